@@ -1,0 +1,43 @@
+/* ddp_clock.h - monotonic time, deadlines and abort flags.
+ *
+ * Every blocking wait in the core takes a ddp_wait: an absolute deadline on
+ * the monotonic clock plus an optional abort flag. Waits sleep in slices of at
+ * most DDP_WAIT_SLICE_MS so that setting the flag (from another thread, a
+ * signal handler or Python's Ctrl-C path) returns control within that slice.
+ */
+#ifndef DDP_CLOCK_H
+#define DDP_CLOCK_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define DDP_NO_DEADLINE INT64_MAX
+#define DDP_WAIT_SLICE_MS 100
+
+typedef struct ddp_wait {
+    int64_t deadline_ms;        /* absolute, ddp_now_ms() scale */
+    const atomic_int *abort;    /* may be NULL; nonzero means abort */
+} ddp_wait;
+
+/* Milliseconds on CLOCK_MONOTONIC. */
+int64_t ddp_now_ms(void);
+/* Microseconds on CLOCK_MONOTONIC (for benchmarks and spin loops). */
+int64_t ddp_now_us(void);
+
+/* A wait that ends timeout_ms from now (timeout_ms < 0: never). */
+ddp_wait ddp_wait_for(int64_t timeout_ms, const atomic_int *abort);
+
+/* Milliseconds left, clamped to [0, DDP_WAIT_SLICE_MS]: the timeout to pass
+ * to one poll() call. */
+int ddp_wait_slice(ddp_wait w);
+
+/* Milliseconds left (0 if passed; INT64_MAX if none). */
+int64_t ddp_wait_remaining(ddp_wait w);
+
+/* 1 if the deadline passed, 0 otherwise. */
+int ddp_wait_expired(ddp_wait w);
+
+/* 1 if the abort flag is set. */
+int ddp_wait_aborted(ddp_wait w);
+
+#endif

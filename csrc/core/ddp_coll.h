@@ -1,0 +1,80 @@
+/* ddp_coll.h - collective algorithms over a set of links.
+ *
+ * A ddp_group is the view of a communicator that the algorithms need: this
+ * rank, the world size, one link per peer (links[rank] is NULL) and a scratch
+ * buffer. The communicator (ddp_comm.c) builds it, runs collectives on one
+ * thread in call order, and shuts every link down after any failure so that
+ * peers blocked on this rank fail fast instead of waiting for the timeout.
+ *
+ * Every collective starts with a 32-byte header (kind, dtype, op, root, count,
+ * sequence number) that each rank checks against its peers' (on the latency
+ * path it travels with the data), so ranks that call different collectives,
+ * or the same one with different counts, dtypes, ops or roots, all fail with
+ * DDP_ERR_MISMATCH and a message naming both sides.
+ *
+ * Buffer conventions (count is always in elements of dtype):
+ *   ALLREDUCE       buf: count, in place
+ *   BROADCAST       buf: count, in place, from root
+ *   REDUCE          buf: count, in place; result only at root, others unchanged
+ *   ALLGATHER       sendbuf: count; recvbuf: size*count (rank order)
+ *   REDUCE_SCATTER  sendbuf: size*count; recvbuf: count (this rank's block)
+ *   GATHER          sendbuf: count; recvbuf: size*count at root (else unused)
+ *   SCATTER         sendbuf: size*count at root (else unused); recvbuf: count
+ *   SEND / RECV     buf: count, to / from root (the peer rank)
+ *   BARRIER         no data
+ * sendbuf may equal the matching slice of recvbuf (in-place variants).
+ * float16/bfloat16 reductions accumulate in float32. AVG divides once at the
+ * end (sum, then divide by size), as torch does.
+ */
+#ifndef DDP_COLL_H
+#define DDP_COLL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ddp_clock.h"
+#include "ddp_dtype.h"
+#include "ddp_link.h"
+#include "ddp_status.h"
+
+typedef enum ddp_coll_kind {
+    DDP_COLL_ALLREDUCE = 1, DDP_COLL_BROADCAST, DDP_COLL_REDUCE,
+    DDP_COLL_ALLGATHER, DDP_COLL_REDUCE_SCATTER, DDP_COLL_GATHER,
+    DDP_COLL_SCATTER, DDP_COLL_SEND, DDP_COLL_RECV, DDP_COLL_BARRIER
+} ddp_coll_kind;
+
+typedef struct ddp_coll_args {
+    ddp_coll_kind kind;
+    ddp_dtype dtype;
+    ddp_redop op;       /* reductions only */
+    int root;           /* root, or peer for SEND/RECV */
+    size_t count;       /* elements, see conventions above */
+    void *buf;          /* in-place ops: ALLREDUCE, BROADCAST, REDUCE, SEND, RECV */
+    const void *sendbuf;
+    void *recvbuf;
+} ddp_coll_args;
+
+typedef struct ddp_group {
+    int rank, size;
+    ddp_link **links;       /* [size]; links[rank] == NULL */
+    uint64_t seq;           /* collectives run so far; advanced by ddp_coll_run */
+    void *scratch;          /* staging memory owned by the group (may grow) */
+    size_t scratch_len;
+    size_t small_bytes;     /* messages up to this size take the latency path */
+    size_t chunk_bytes;     /* pipeline chunk for the bandwidth path */
+} ddp_group;
+
+/* Validate args against the group (before any communication): root range,
+ * dtype/op combination, NULL buffers with nonzero count. DDP_ERR_INVALID or
+ * DDP_ERR_TYPE with a message; no side effects. */
+ddp_status ddp_coll_validate(const ddp_group *g, const ddp_coll_args *a);
+
+/* Run one collective to completion (or failure) before w's deadline. */
+ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+
+/* Name of a kind, e.g. "all_reduce". */
+const char *ddp_coll_name(ddp_coll_kind k);
+
+/* Free the group's scratch memory (links are owned by the communicator). */
+void ddp_group_release_scratch(ddp_group *g);
+
+#endif

@@ -1,0 +1,56 @@
+/* ddp_dtype.h - element types and reduction operations.
+ *
+ * Reduction kernels combine `n` elements of `src` into `dst` in place
+ * (dst[i] = dst[i] op src[i]). float16 and bfloat16 are converted to float32,
+ * combined, and rounded back (round-to-nearest-even) on each call; the
+ * collectives that need float32 accumulation over several steps use the
+ * *_acc variants on float32 staging buffers. Kernels are plain loops written
+ * so that the compiler vectorises them.
+ */
+#ifndef DDP_DTYPE_H
+#define DDP_DTYPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ddp_status.h"
+
+typedef enum ddp_dtype {
+    DDP_FLOAT16 = 0, DDP_BFLOAT16, DDP_FLOAT32, DDP_FLOAT64,
+    DDP_INT8, DDP_UINT8, DDP_INT32, DDP_INT64, DDP_BOOL,
+    DDP_DTYPE_COUNT
+} ddp_dtype;
+
+typedef enum ddp_redop {
+    DDP_SUM = 0, DDP_AVG, DDP_MIN, DDP_MAX, DDP_PRODUCT, DDP_REDOP_COUNT
+} ddp_redop;
+
+size_t ddp_dtype_size(ddp_dtype t);
+const char *ddp_dtype_name(ddp_dtype t);
+const char *ddp_redop_name(ddp_redop op);
+/* DDP_OK if op is defined for t (e.g. SUM on bool is logical or), else
+ * DDP_ERR_TYPE with a message. */
+ddp_status ddp_redop_check(ddp_dtype t, ddp_redop op);
+
+/* dst[i] = dst[i] op src[i] for i < n. AVG combines as SUM (the division is
+ * applied once, at the end, by ddp_reduce_finish). */
+void ddp_reduce(ddp_dtype t, ddp_redop op, void *dst, const void *src, size_t n);
+
+/* dst[i] = a[i] op b[i] (out of place; dst may alias a). */
+void ddp_reduce3(ddp_dtype t, ddp_redop op, void *dst, const void *a,
+                 const void *b, size_t n);
+
+/* After a SUM-style reduction across `nranks`, apply AVG's division: floats
+ * divide (exact: sum then divide, as torch does); integers divide with
+ * truncation toward zero (torch's integer semantics for AVG are undefined;
+ * pyddp documents truncation). No-op for other ops. */
+void ddp_reduce_finish(ddp_dtype t, ddp_redop op, void *buf, size_t n, int nranks);
+
+/* half <-> float conversions (exposed for tests and staging). */
+float ddp_half_to_float(uint16_t h);
+uint16_t ddp_float_to_half(float f);
+float ddp_bf16_to_float(uint16_t h);
+uint16_t ddp_float_to_bf16(float f);
+void ddp_convert_to_f32(ddp_dtype t, float *dst, const void *src, size_t n);
+void ddp_convert_from_f32(ddp_dtype t, void *dst, const float *src, size_t n);
+
+#endif

@@ -1,0 +1,61 @@
+/* ddp_link.h - one point-to-point byte stream between this rank and a peer.
+ *
+ * A link is a transport-neutral pipe (TCP socket today; shared memory for
+ * ranks on one host). Transports implement non-blocking progress functions
+ * in a small table of function pointers; the generic drivers below turn them
+ * into blocking calls with deadlines and abort checks, and drive a send and a
+ * receive on two different links at once (what a ring step needs, even when
+ * one neighbour is over shared memory and the other over TCP).
+ *
+ * Ownership: a link owns its transport resources (the socket, the mapping)
+ * and releases them in ddp_link_free. A link is used by one thread at a time
+ * (the communicator's worker); ddp_link_shutdown may be called from any
+ * thread to make every pending and future operation fail fast.
+ */
+#ifndef DDP_LINK_H
+#define DDP_LINK_H
+
+#include <stddef.h>
+#include "ddp_clock.h"
+#include "ddp_status.h"
+
+typedef struct ddp_link ddp_link;
+
+typedef struct ddp_link_ops {
+    const char *name;  /* "tcp", "shm" */
+    /* Move as many bytes as possible now without blocking, advancing *done
+     * (bytes of buf already moved). DDP_OK with no progress is allowed. */
+    ddp_status (*send_some)(ddp_link *l, const void *buf, size_t n, size_t *done);
+    ddp_status (*recv_some)(ddp_link *l, void *buf, size_t n, size_t *done);
+    /* File descriptor to poll() while waiting (POLLIN for recv, POLLOUT for
+     * send), or -1 if the transport must be polled by spinning/yielding. */
+    int (*wait_fd)(ddp_link *l);
+    /* Make pending and future operations fail (thread-safe, idempotent). */
+    void (*shutdown)(ddp_link *l);
+    /* Release resources; the link struct itself is freed by ddp_link_free. */
+    void (*destroy)(ddp_link *l);
+} ddp_link_ops;
+
+struct ddp_link {
+    const ddp_link_ops *ops;
+    int peer;              /* peer's rank */
+    char desc[300];        /* "rank 3 (10.0.0.5:41234)", for messages */
+    void *impl;            /* transport state */
+};
+
+/* Blocking drivers: move exactly n bytes or fail with TIMEOUT, ABORTED,
+ * CLOSED (message names l->desc). */
+ddp_status ddp_link_send(ddp_link *l, const void *buf, size_t n, ddp_wait w);
+ddp_status ddp_link_recv(ddp_link *l, void *buf, size_t n, ddp_wait w);
+/* Send sn bytes on sl and receive rn bytes on rl concurrently (sl and rl may
+ * be the same link). Either length may be 0. */
+ddp_status ddp_link_sendrecv(ddp_link *sl, const void *sbuf, size_t sn,
+                             ddp_link *rl, void *rbuf, size_t rn, ddp_wait w);
+
+void ddp_link_shutdown(ddp_link *l);
+void ddp_link_free(ddp_link *l);   /* NULL is a no-op */
+
+/* A TCP link over a connected socket; takes ownership of fd. */
+ddp_link *ddp_link_tcp_new(int fd, int peer, const char *desc);
+
+#endif

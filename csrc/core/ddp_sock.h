@@ -1,0 +1,63 @@
+/* ddp_sock.h - TCP socket helpers with deadlines and abort flags.
+ *
+ * All sockets returned here are non-blocking, close-on-exec, and (for
+ * connected TCP sockets) have TCP_NODELAY set. Every call that may block
+ * takes a ddp_wait and polls in slices so that the abort flag is honoured.
+ * On failure the thread's error message names the host:port involved.
+ * Functions never close a descriptor they did not create.
+ */
+#ifndef DDP_SOCK_H
+#define DDP_SOCK_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ddp_clock.h"
+#include "ddp_status.h"
+
+#define DDP_ADDR_MAX 256   /* enough for a host name or an IPv6 literal */
+
+/* Connect to host:port (name or IPv4/IPv6 literal). Retries refused or
+ * unreachable connections every ~100 ms until the deadline, since the peer
+ * may not be listening yet. On timeout: DDP_ERR_CONNECT with a message that
+ * names host:port, the last errno and what to check (firewall, security
+ * group, MASTER_ADDR/MASTER_PORT). */
+ddp_status ddp_sock_connect(const char *host, int port, ddp_wait w, int *fd_out);
+
+/* Listen on bind_host (NULL or "" = all interfaces, IPv4 and IPv6 where
+ * possible) at port. port 0 picks an ephemeral port, unless lo..hi is a
+ * nonzero range, in which case the first free port in [lo, hi] is used.
+ * *port_out receives the bound port. */
+ddp_status ddp_sock_listen(const char *bind_host, int port, int lo, int hi,
+                           int *fd_out, int *port_out);
+
+/* Accept one connection on a listening socket before the deadline. */
+ddp_status ddp_sock_accept(int lfd, ddp_wait w, int *fd_out);
+
+/* Send or receive exactly n bytes, polling until done, the deadline passes
+ * (DDP_ERR_TIMEOUT), the flag aborts (DDP_ERR_ABORTED) or the peer closes
+ * (DDP_ERR_CLOSED). `what` names the peer in error messages (may be NULL). */
+ddp_status ddp_sock_send_all(int fd, const void *buf, size_t n, ddp_wait w,
+                             const char *what);
+ddp_status ddp_sock_recv_all(int fd, void *buf, size_t n, ddp_wait w,
+                             const char *what);
+
+/* Non-blocking progress: move as many bytes as the kernel takes now.
+ * *done is advanced. Returns DDP_OK (possibly with no progress),
+ * DDP_ERR_CLOSED on EOF/reset, DDP_ERR_SYS otherwise. */
+ddp_status ddp_sock_send_some(int fd, const void *buf, size_t n, size_t *done);
+ddp_status ddp_sock_recv_some(int fd, void *buf, size_t n, size_t *done);
+
+/* Set SO_SNDBUF and SO_RCVBUF (best effort). */
+void ddp_sock_set_bufsize(int fd, int bytes);
+
+/* The local IP address this host would use to reach host (UDP connect
+ * trick; no packet is sent). Writes a numeric address into out. */
+ddp_status ddp_sock_route_addr(const char *host, char *out, size_t outlen);
+
+/* The first IPv4 (else IPv6) address of network interface ifname. */
+ddp_status ddp_sock_ifname_addr(const char *ifname, char *out, size_t outlen);
+
+/* Write "host:port" (IPv6 in brackets) into out. */
+void ddp_sock_format_hostport(const char *host, int port, char *out, size_t outlen);
+
+#endif

@@ -1,0 +1,79 @@
+/* ddp_store.h - key-value store client and server, wire-compatible with
+ * PyTorch's TCPStore (see shared/interop.md section 3).
+ *
+ * Keys are passed exactly as they travel on the wire: the Python layer adds
+ * torch's "/" prefix to user keys; the core composes its own keys under
+ * "/pyddp/<run id>/<restart>/...". Values are arbitrary bytes.
+ *
+ * Client: one TCP connection, one request in flight. A ddp_store is safe to
+ * share between threads (an internal mutex serialises requests). Timeouts are
+ * enforced by the client: an expired WAIT sends CANCEL_WAIT and drains the
+ * reply, so the connection stays usable afterwards. Returned buffers are
+ * malloc'd and owned by the caller (free()).
+ *
+ * Server: a background thread that serves any number of connections with
+ * poll(). A malformed, truncated or unknown request drops only that
+ * connection. Stopping joins the thread and frees everything.
+ */
+#ifndef DDP_STORE_H
+#define DDP_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ddp_clock.h"
+#include "ddp_status.h"
+
+#define DDP_STORE_MAGIC 0x3C85F7CEu
+
+enum ddp_store_query {
+    DDP_Q_VALIDATE = 0, DDP_Q_SET = 1, DDP_Q_COMPARE_SET = 2, DDP_Q_GET = 3,
+    DDP_Q_ADD = 4, DDP_Q_CHECK = 5, DDP_Q_WAIT = 6, DDP_Q_GETNUMKEYS = 7,
+    DDP_Q_DELETE_KEY = 8, DDP_Q_APPEND = 9, DDP_Q_MULTI_GET = 10,
+    DDP_Q_MULTI_SET = 11, DDP_Q_CANCEL_WAIT = 12, DDP_Q_PING = 13
+};
+
+typedef struct ddp_store ddp_store;
+
+/* Connect (retrying until w's deadline), send VALIDATE and PING.
+ * timeout_ms is the default for later calls that get a deadline of their
+ * own from the caller. */
+ddp_status ddp_store_connect(const char *host, int port, ddp_wait w,
+                             ddp_store **out);
+void ddp_store_close(ddp_store *s);
+/* "host:port" of the server, for messages. */
+const char *ddp_store_peer(const ddp_store *s);
+
+ddp_status ddp_store_set(ddp_store *s, const char *key, size_t klen,
+                         const void *val, size_t vlen, ddp_wait w);
+/* WAIT for the key, then GET it. */
+ddp_status ddp_store_get(ddp_store *s, const char *key, size_t klen,
+                         void **val, size_t *vlen, ddp_wait w);
+ddp_status ddp_store_add(ddp_store *s, const char *key, size_t klen,
+                         int64_t delta, int64_t *result, ddp_wait w);
+ddp_status ddp_store_append(ddp_store *s, const char *key, size_t klen,
+                            const void *val, size_t vlen, ddp_wait w);
+/* Wait until all n keys exist. On deadline: CANCEL_WAIT, drain, then
+ * DDP_ERR_TIMEOUT naming the first missing key. */
+ddp_status ddp_store_wait(ddp_store *s, const char *const *keys,
+                          const size_t *klens, size_t n, ddp_wait w);
+/* *ready = 1 if all keys exist. */
+ddp_status ddp_store_check(ddp_store *s, const char *const *keys,
+                           const size_t *klens, size_t n, int *ready, ddp_wait w);
+ddp_status ddp_store_compare_set(ddp_store *s, const char *key, size_t klen,
+                                 const void *expected, size_t elen,
+                                 const void *desired, size_t dlen,
+                                 void **out, size_t *outlen, ddp_wait w);
+ddp_status ddp_store_delete(ddp_store *s, const char *key, size_t klen,
+                            int64_t *ndeleted, ddp_wait w);
+ddp_status ddp_store_num_keys(ddp_store *s, int64_t *n, ddp_wait w);
+
+typedef struct ddp_store_server ddp_store_server;
+
+/* Bind host:port (NULL/"" = all interfaces; port 0 = ephemeral), start the
+ * serving thread. *port_out gets the bound port. */
+ddp_status ddp_store_server_start(const char *bind_host, int port,
+                                  ddp_store_server **out, int *port_out);
+/* Stop the thread, close all connections, free all keys. NULL is a no-op. */
+void ddp_store_server_stop(ddp_store_server *srv);
+
+#endif
