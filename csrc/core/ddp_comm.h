@@ -1,0 +1,77 @@
+/* ddp_comm.h - the communicator: rendezvous of ranks through the store, one
+ * link per peer, and a worker thread that runs collectives in call order.
+ *
+ * Creation (ddp_comm_create) is collective: every rank of the group calls it
+ * with the same prefix and size. Each rank listens on a data port, publishes
+ * {version, advertised host:port, host identity} under the prefix, checks
+ * that every rank runs the same pyddp and wire version (DDP_ERR_VERSION
+ * naming the ranks, hosts and versions otherwise), and connects to every
+ * peer (lower ranks accept, higher ranks connect).
+ *
+ * Threads: the caller's thread submits work; one worker thread per
+ * communicator runs it in submission order, so all ranks see the same
+ * sequence. Submitting never blocks on the network. Argument validation
+ * happens in ddp_comm_submit, on the caller's thread, before anything is
+ * queued. After any communication failure the communicator is "broken":
+ * every link is shut down (so peers blocked on this rank fail within
+ * moments), queued work fails, and later submissions fail at once with the
+ * original error. ddp_comm_abort does the same on demand.
+ *
+ * Buffers named in submitted work must stay valid until the work is done.
+ */
+#ifndef DDP_COMM_H
+#define DDP_COMM_H
+
+#include <stdint.h>
+#include "ddp_coll.h"
+#include "ddp_store.h"
+
+#define DDP_WIRE_VERSION 1
+
+typedef struct ddp_comm ddp_comm;
+typedef struct ddp_work ddp_work;
+
+typedef struct ddp_comm_config {
+    int rank;
+    int size;
+    const char *prefix;          /* store key prefix, unique per group and attempt */
+    const char *advertise_host;  /* address peers connect to (numeric preferred) */
+    const char *bind_host;       /* NULL/"" = all interfaces */
+    int port_lo, port_hi;        /* data port range; 0,0 = ephemeral */
+    int64_t timeout_ms;          /* default deadline of every operation */
+    const char *version;         /* pyddp version string, compared across ranks */
+    const char *host_id;         /* identity of this host (boot id + host name) */
+} ddp_comm_config;
+
+/* Collective: rendezvous and connect. store is borrowed for the call. */
+ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store,
+                           ddp_comm **out);
+
+int ddp_comm_rank(const ddp_comm *c);
+int ddp_comm_size(const ddp_comm *c);
+/* Human description of peer r, e.g. "rank 1 (10.0.0.2:40411)". */
+const char *ddp_comm_peer_desc(const ddp_comm *c, int r);
+/* Host identity string of rank r, as published at rendezvous. */
+const char *ddp_comm_host_id(const ddp_comm *c, int r);
+
+/* Validate and queue one collective. timeout_ms < 0 uses the default.
+ * On success *out is a handle the caller must release. */
+ddp_status ddp_comm_submit(ddp_comm *c, const ddp_coll_args *a,
+                           int64_t timeout_ms, ddp_work **out);
+
+/* Nonzero once the work finished (successfully or not). Never blocks. */
+int ddp_work_done(ddp_work *w);
+/* Block until the work finishes or w's deadline/abort hits. Returns the
+ * work's status (its message via ddp_work_error) or DDP_ERR_TIMEOUT /
+ * DDP_ERR_ABORTED for the wait itself (the work keeps running). */
+ddp_status ddp_work_wait(ddp_work *work, ddp_wait w);
+const char *ddp_work_error(const ddp_work *work);
+/* Drop the caller's reference (the worker holds its own until done). */
+void ddp_work_release(ddp_work *work);
+
+/* Break the communicator now (thread-safe). */
+void ddp_comm_abort(ddp_comm *c, const char *reason);
+/* Abort, join the worker, close links, free. NULL is a no-op. */
+void ddp_comm_destroy(ddp_comm *c);
+
+#endif
