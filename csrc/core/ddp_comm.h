@@ -22,6 +22,7 @@
 #ifndef DDP_COMM_H
 #define DDP_COMM_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include "ddp_coll.h"
 #include "ddp_store.h"
@@ -41,6 +42,7 @@ typedef struct ddp_comm_config {
     int64_t timeout_ms;          /* default deadline of every operation */
     const char *version;         /* pyddp version string, compared across ranks */
     const char *host_id;         /* identity of this host (boot id + host name) */
+    const atomic_int *abort;     /* may be NULL: aborts the rendezvous when set */
 } ddp_comm_config;
 
 /* Collective: rendezvous and connect. store is borrowed for the call. */

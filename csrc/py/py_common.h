@@ -17,10 +17,24 @@
  * ddp_last_error()). Always returns NULL. */
 PyObject *ddp_py_raise(ddp_status st, const char *msg);
 
+/* Run fn(arg) on a helper thread while the calling thread waits with the GIL
+ * released, waking every 100 ms to run Python's signal handlers. If a handler
+ * raises (Ctrl-C), sets *abort so fn's waits end, waits for fn to return, and
+ * returns -1 with that exception set. Otherwise returns 0 once fn returned.
+ * fn must not touch Python. Called with the GIL. */
+#include <stdatomic.h>
+int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort);
+
+/* The core communicator behind a pyddp._C.ProcessGroup (borrowed; valid while
+ * the object lives and is not destroyed), or NULL with an exception set. */
+struct ddp_comm;
+struct ddp_comm *ddp_py_pg_comm(PyObject *pg);
+
 /* Module exec hooks (return 0 on success, -1 with an exception set). */
 int ddp_py_errors_register(PyObject *m);
 int ddp_py_store_register(PyObject *m);
 int ddp_py_pg_register(PyObject *m);
+int ddp_py_net_register(PyObject *m);
 int ddp_py_reducer_register(PyObject *m);
 
 #endif

@@ -1,0 +1,78 @@
+/* py_blocking.c - running a blocking C call so that Ctrl-C still works.
+ *
+ * Python runs signal handlers only on the main thread and only while it holds
+ * the GIL. A C call that blocks for minutes with the GIL released would make
+ * Ctrl-C wait for it. ddp_py_run_abortable moves the call to a helper thread
+ * and keeps the caller in a loop of short GIL-free waits, running the signal
+ * handlers between them; a raised KeyboardInterrupt sets the call's abort
+ * flag, which every core wait checks within DDP_WAIT_SLICE_MS.
+ */
+#include "py_common.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <time.h>
+
+typedef struct job {
+    void (*fn)(void *);
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;
+} job;
+
+static void *job_main(void *p) {
+    job *j = p;
+    j->fn(j->arg);
+    pthread_mutex_lock(&j->mu);
+    j->done = 1;
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    return NULL;
+}
+
+/* Wait up to ms for the job; returns 1 if done. GIL must be released. */
+static int job_wait(job *j, int ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += (long)ms * 1000000L;
+    ts.tv_sec += ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    pthread_mutex_lock(&j->mu);
+    while (!j->done) {
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &ts) == ETIMEDOUT) break;
+    }
+    int d = j->done;
+    pthread_mutex_unlock(&j->mu);
+    return d;
+}
+
+int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort) {
+    job j = {fn, arg, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    pthread_t t;
+    if (pthread_create(&t, NULL, job_main, &j) != 0) {
+        /* No thread to spare: run inline; Ctrl-C then waits for the deadline. */
+        Py_BEGIN_ALLOW_THREADS
+        fn(arg);
+        Py_END_ALLOW_THREADS
+        return 0;
+    }
+    int interrupted = 0;
+    for (;;) {
+        int done;
+        Py_BEGIN_ALLOW_THREADS
+        done = job_wait(&j, 100);
+        Py_END_ALLOW_THREADS
+        if (done) break;
+        if (!interrupted && PyErr_CheckSignals() < 0) {
+            interrupted = 1;
+            atomic_store(abort, 1);
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(t, NULL);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_destroy(&j.mu);
+    pthread_cond_destroy(&j.cv);
+    return interrupted ? -1 : 0;
+}

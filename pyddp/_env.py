@@ -1,0 +1,196 @@
+"""Where a process finds its rank, world size and store: torchrun's environment,
+``tcp://`` and ``file://`` init methods, and the settings pyddp reads from
+``PYDDP_*`` variables.
+
+Nothing here talks to the network. Every check that can fail does so here, before any
+connection is attempted, with an error naming the variable or argument at fault.
+"""
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+from urllib.parse import parse_qs, urlparse
+
+from . import _C
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)   # torch.distributed's default_pg_timeout
+
+
+@dataclass
+class Rendezvous:
+    """Everything init_process_group needs to know before it connects."""
+    rank: int
+    world_size: int
+    method: str                  # "env", "tcp" or "file"
+    master_addr: Optional[str]   # store host (env/tcp)
+    master_port: Optional[int]
+    file_path: Optional[str]     # file:// path
+    use_agent_store: bool        # torchrun's agent already hosts the store
+    run_id: str
+    restart_count: int
+
+
+def _bad(msg):
+    return _C.DistValueError(msg)
+
+
+def _env_int(name, required=True):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        if required:
+            raise _bad(f"environment variable {name} is not set. Launch with torchrun, or set "
+                       f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself (or pass "
+                       f"rank= and world_size= to init_process_group).")
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise _bad(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _check_rank(rank, world_size, rank_src="rank", ws_src="world_size"):
+    if world_size < 1:
+        raise _bad(f"{ws_src}={world_size} must be at least 1")
+    if not 0 <= rank < world_size:
+        raise _bad(f"{rank_src}={rank} is out of range for {ws_src}={world_size} "
+                   f"(must be 0 <= rank < world_size)")
+
+
+def _check_port(port, src):
+    if not 0 < port < 65536:
+        raise _bad(f"{src}={port} is not a valid TCP port (1-65535)")
+
+
+def resolve(init_method, rank, world_size) -> Rendezvous:
+    """Read the rendezvous settings for init_method (None means ``env://``)."""
+    init_method = init_method or "env://"
+    url = urlparse(init_method)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", required=False) or 0
+    if url.scheme == "env":
+        if rank is None or rank < 0:
+            rank = _env_int("RANK")
+            rank_src = "RANK"
+        else:
+            rank_src = "rank"
+        if world_size is None or world_size < 0:
+            world_size = _env_int("WORLD_SIZE")
+            ws_src = "WORLD_SIZE"
+        else:
+            ws_src = "world_size"
+        _check_rank(rank, world_size, rank_src, ws_src)
+        addr = os.environ.get("MASTER_ADDR")
+        if not addr:
+            raise _bad("environment variable MASTER_ADDR is not set: set it to the address of "
+                       "the rank-0 node (torchrun sets it for you)")
+        port = _env_int("MASTER_PORT")
+        _check_port(port, "MASTER_PORT")
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+        return Rendezvous(rank, world_size, "env", addr, port, None, agent, run_id, restart)
+    if url.scheme == "tcp":
+        q = parse_qs(url.query)
+        if (rank is None or rank < 0) and "rank" in q:
+            rank = int(q["rank"][0])
+        if (world_size is None or world_size < 0) and "world_size" in q:
+            world_size = int(q["world_size"][0])
+        if rank is None or rank < 0 or world_size is None or world_size < 0:
+            raise _bad(f"init_method={init_method!r} needs rank= and world_size= (as "
+                       f"arguments or ?rank=..&world_size=.. in the URL)")
+        _check_rank(rank, world_size)
+        if not url.hostname or not url.port:
+            raise _bad(f"init_method={init_method!r} must look like tcp://host:port")
+        _check_port(url.port, "init_method port")
+        return Rendezvous(rank, world_size, "tcp", url.hostname, url.port, None, False,
+                          run_id, restart)
+    if url.scheme == "file":
+        if rank is None or rank < 0 or world_size is None or world_size < 0:
+            raise _bad(f"init_method={init_method!r} needs rank= and world_size=")
+        _check_rank(rank, world_size)
+        path = url.path
+        if not path:
+            raise _bad(f"init_method={init_method!r} has no path; use file:///shared/dir/file")
+        return Rendezvous(rank, world_size, "file", None, None, path, False, run_id, restart)
+    raise _bad(f"init_method={init_method!r}: supported schemes are env://, tcp://host:port "
+               f"and file:///path")
+
+
+def timeout_seconds(timeout) -> float:
+    """The effective timeout: the argument, else PYDDP_TIMEOUT (seconds), else 30 min."""
+    if timeout is not None:
+        if isinstance(timeout, timedelta):
+            secs = timeout.total_seconds()
+        else:
+            secs = float(timeout)
+        if secs <= 0:
+            raise _bad(f"timeout={timeout!r} must be positive")
+        return secs
+    env = os.environ.get("PYDDP_TIMEOUT")
+    if env:
+        try:
+            secs = float(env)
+        except ValueError:
+            raise _bad(f"PYDDP_TIMEOUT={env!r} is not a number of seconds") from None
+        if secs <= 0:
+            raise _bad(f"PYDDP_TIMEOUT={env!r} must be positive")
+        return secs
+    return DEFAULT_TIMEOUT.total_seconds()
+
+
+def port_range():
+    """PYDDP_PORT_RANGE="lo-hi" for data connections, or (0, 0) for ephemeral ports."""
+    v = os.environ.get("PYDDP_PORT_RANGE", "").strip()
+    if not v:
+        return 0, 0
+    try:
+        lo, hi = (int(x) for x in v.split("-", 1))
+    except ValueError:
+        raise _bad(f"PYDDP_PORT_RANGE={v!r} must look like 40000-40100") from None
+    if not (0 < lo <= hi < 65536):
+        raise _bad(f"PYDDP_PORT_RANGE={v!r} must satisfy 0 < lo <= hi < 65536")
+    return lo, hi
+
+
+def advertise_address(master_addr: Optional[str]) -> str:
+    """The address peers should use to reach this process.
+
+    PYDDP_SOCKET_IFNAME names an interface to use. Otherwise the local address that
+    routes to the store host, which is right on multi-homed VMs where the host name
+    resolves to 127.0.1.1. Falls back to loopback when the store is local.
+    """
+    ifname = os.environ.get("PYDDP_SOCKET_IFNAME")
+    if ifname:
+        return _C.ifname_addr(ifname)
+    if master_addr:
+        try:
+            return _C.route_addr(master_addr)
+        except _C.DistError:
+            pass
+    return "127.0.0.1"
+
+
+def host_identity() -> str:
+    """Ranks with equal identities share memory (same kernel boot, host name and network
+    namespace), so they may talk through shared memory instead of TCP."""
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("noboot")
+    parts.append(socket.gethostname())
+    try:
+        parts.append(os.readlink("/proc/self/ns/net"))
+    except OSError:
+        pass
+    return "|".join(parts).replace(";", ",")
+
+
+def local_rank() -> int:
+    """LOCAL_RANK from torchrun (0 when unset)."""
+    return _env_int("LOCAL_RANK", required=False) or 0
+
+
+def local_world_size() -> int:
+    """LOCAL_WORLD_SIZE from torchrun (1 when unset)."""
+    return _env_int("LOCAL_WORLD_SIZE", required=False) or 1
