@@ -1,0 +1,47 @@
+"""pyddp: data-parallel training with a C core.
+
+Use it as torch.distributed::
+
+    import pyddp as dist
+    from pyddp import DistributedDataParallel as DDP, DistributedSampler
+
+    dist.init_process_group("cpu")          # or "nccl"; under torchrun
+    ...
+
+Importing pyddp never imports torch; NumPy is the only requirement.
+"""
+from ._version import __version__
+from . import _C
+from ._C import (BackendUnavailableError, CollectiveMismatchError, DistBackendError,
+                 DistError, DistNetworkError, DistStoreError, DistTimeoutError,
+                 DistTypeError, DistValueError, VersionMismatchError)
+from ._group import (WORLD, destroy_process_group, get_backend, get_local_rank,
+                     get_local_world_size, get_rank, get_world_size, group,
+                     init_process_group, is_available, is_initialized)
+from .collectives import (ReduceOp, Work, all_gather, all_gather_into_tensor, all_reduce,
+                          barrier, broadcast, gather, irecv, isend, recv, reduce,
+                          reduce_scatter, reduce_scatter_tensor, scatter, send)
+from ._objects import (all_gather_object, broadcast_object_list, gather_object,
+                       scatter_object_list)
+from .store import TCPStore
+from .sampler import DistributedSampler
+
+
+def is_nccl_available() -> bool:
+    """True when NCCL and a GPU can be used by this process."""
+    from . import _nccl_backend
+    return _nccl_backend.usable()
+
+
+def is_gloo_available() -> bool:
+    """True: the CPU backend (alias "gloo") is always available."""
+    return True
+
+
+def __getattr__(name):
+    # DistributedDataParallel lives in pyddp.ddp, imported on first use so that
+    # `import pyddp` stays light.
+    if name == "DistributedDataParallel":
+        from .ddp import DistributedDataParallel
+        return DistributedDataParallel
+    raise AttributeError(f"module 'pyddp' has no attribute {name!r}")

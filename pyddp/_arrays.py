@@ -1,0 +1,111 @@
+"""Array glue between the public API and the C core, for NumPy, torch and CuPy.
+
+The C core takes any contiguous array (NumPy C API, DLPack, the buffer protocol,
+``__cuda_array_interface__``). This module handles what only the array's own library
+can: detaching torch tensors that require grad (the data is shared, so the result still
+lands in the caller's tensor), staging non-contiguous arrays through a contiguous copy,
+and allocating and copying the flat buffers that list-based collectives need. torch and
+CuPy are never imported here; they are recognised by their module names.
+"""
+import numpy as np
+
+from ._C import DistTypeError, DistValueError
+
+
+def _lib(x):
+    mod = type(x).__module__ or ""
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    return "numpy" if isinstance(x, np.ndarray) else "other"
+
+
+def for_core(x):
+    """The object to hand to the C core for x: torch tensors are detached (a view of
+    the same memory) so that tensors requiring grad work without the user detaching."""
+    if _lib(x) == "torch" and x.requires_grad:
+        return x.detach()
+    return x
+
+
+def numel(x):
+    if _lib(x) == "torch":
+        return x.numel()
+    return int(np.prod(x.shape)) if hasattr(x, "shape") else len(x)
+
+
+def is_contiguous(x):
+    lib = _lib(x)
+    if lib == "torch":
+        return x.is_contiguous()
+    if lib in ("numpy", "cupy"):
+        return x.flags.c_contiguous
+    return True
+
+
+class Staged:
+    """A contiguous stand-in for x. ``array`` goes to the core; ``finish()`` copies the
+    result back into x when x itself was not contiguous (for outputs)."""
+
+    def __init__(self, x, copy_in=True):
+        self.orig = x
+        lib = _lib(x)
+        if is_contiguous(x):
+            self.array = for_core(x)
+            self.copy_back = False
+            return
+        if lib == "torch":
+            self.array = for_core(x).contiguous()
+        elif lib == "cupy":
+            import cupy  # only reached for CuPy inputs
+            self.array = cupy.ascontiguousarray(x)
+        else:
+            self.array = np.ascontiguousarray(x)
+        self.copy_back = True
+
+    def finish(self):
+        if self.copy_back:
+            copy_into(self.orig, self.array)
+
+
+def empty_flat(like, n):
+    """A new 1-D array of n elements with like's dtype, library and device."""
+    lib = _lib(like)
+    if lib == "torch":
+        import torch  # like is a torch tensor, so torch is already imported
+        return torch.empty(n, dtype=like.dtype, device=like.device)
+    if lib == "cupy":
+        import cupy
+        return cupy.empty(n, dtype=like.dtype)
+    return np.empty(n, dtype=like.dtype)
+
+
+def flat(x):
+    """A 1-D view of contiguous x (same memory)."""
+    return for_core(x).reshape(-1)
+
+
+def copy_into(dst, src):
+    """dst[...] = src (same element count), in dst's library, without autograd."""
+    if _lib(dst) == "torch":
+        import torch
+        with torch.no_grad():
+            dst.copy_(src.reshape(dst.shape))
+    else:
+        dst[...] = src.reshape(dst.shape)
+
+
+def check_list(lst, name, length, like):
+    """Validate a list of output/input arrays: a list of `length` arrays, each with
+    the element count and dtype of `like`."""
+    if not isinstance(lst, (list, tuple)):
+        raise DistTypeError(f"{name} must be a list of arrays, not {type(lst).__name__}")
+    if len(lst) != length:
+        raise DistValueError(f"{name} has {len(lst)} entries but the world size is {length}")
+    n = numel(like)
+    for i, t in enumerate(lst):
+        if numel(t) != n:
+            raise DistValueError(f"{name}[{i}] has {numel(t)} elements but the tensor has {n}")
+        if getattr(t, "dtype", None) != getattr(like, "dtype", None):
+            raise DistTypeError(f"{name}[{i}] has dtype {t.dtype} but the tensor has {like.dtype}")
