@@ -1,0 +1,356 @@
+/* ddp_store_client.c - the TCPStore client: one connection, one request in
+ * flight, shared safely between threads by a mutex (see ddp_store.h).
+ *
+ * Every request is bounded by the caller's ddp_wait. If a request fails in
+ * the middle (timeout waiting for a reply, peer reset, malformed reply) the
+ * byte stream can no longer be trusted, so the client becomes "broken" and
+ * every later call fails at once with the original reason. The exception is
+ * WAIT: its timeout is part of the protocol (CANCEL_WAIT, then drain the
+ * reply, which may be a STOP_WAITING that raced the cancel), so an expired
+ * wait leaves the connection usable.
+ */
+#include "ddp_store.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ddp_sock.h"
+#include "ddp_store_wire.h"
+
+/* How long the cancel/drain after an expired WAIT may take. */
+#define DDP_STORE_GRACE_MS 5000
+/* How many keys of a timed-out WAIT are probed to name the missing one. */
+#define DDP_STORE_PROBE_KEYS 64
+
+struct ddp_store {
+    pthread_mutex_t mu;
+    int fd;
+    int broken;
+    char broken_msg[1024];
+    char peer[DDP_ADDR_MAX + 16];
+    ddp_wbuf req;
+};
+
+const char *ddp_store_peer(const ddp_store *s) { return s->peer; }
+
+/* Take the mutex within w, in slices, so a thread stuck behind another
+ * thread's long WAIT still honours its own deadline and abort flag. */
+static ddp_status lock(ddp_store *s, ddp_wait w) {
+    for (;;) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += (long)ddp_wait_slice(w) * 1000000L;
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        int r = pthread_mutex_timedlock(&s->mu, &ts);
+        if (r == 0) return DDP_OK;
+        if (ddp_wait_aborted(w))
+            return ddp_error(DDP_ERR_ABORTED, "store request to %s aborted", s->peer);
+        if (ddp_wait_expired(w))
+            return ddp_error(DDP_ERR_TIMEOUT, "store request to %s timed out waiting "
+                             "for another thread's request on the same connection",
+                             s->peer);
+    }
+}
+
+/* Record an I/O failure: the connection is unusable from now on. */
+static ddp_status io_fail(ddp_store *s, ddp_status st) {
+    s->broken = 1;
+    ddp_copy_error(s->broken_msg, sizeof s->broken_msg);
+    return st;
+}
+
+/* Unlock and return st, prefixing a failure with the operation and server. */
+static ddp_status done(ddp_store *s, ddp_status st, const char *op) {
+    pthread_mutex_unlock(&s->mu);
+    if (st == DDP_OK) return st;
+    return ddp_error_prefix(st, "store %s on %s: ", op, s->peer);
+}
+
+/* Lock and check the connection is usable. */
+static ddp_status begin(ddp_store *s, ddp_wait w, uint8_t q) {
+    ddp_status st = lock(s, w);
+    if (st != DDP_OK) return st;
+    if (s->broken) {
+        pthread_mutex_unlock(&s->mu);
+        return ddp_error(DDP_ERR_CLOSED, "store connection to %s is unusable after an "
+                         "earlier error: %s", s->peer, s->broken_msg);
+    }
+    s->req.start = s->req.len = 0;
+    s->req.oom = 0;
+    ddp_wbuf_u8(&s->req, q);
+    return DDP_OK;
+}
+
+static ddp_status send_req(ddp_store *s, ddp_wait w) {
+    if (s->req.oom) return ddp_error(DDP_ERR_NOMEM, "out of memory building a request");
+    ddp_status st = ddp_sock_send_all(s->fd, s->req.p, s->req.len, w, s->peer);
+    return st == DDP_OK ? st : io_fail(s, st);
+}
+
+static ddp_status recv_exact(ddp_store *s, void *buf, size_t n, ddp_wait w) {
+    ddp_status st = ddp_sock_recv_all(s->fd, buf, n, w, s->peer);
+    return st == DDP_OK ? st : io_fail(s, st);
+}
+
+/* Receive a length-prefixed value into a malloc'd buffer owned by caller. */
+static ddp_status recv_value(ddp_store *s, void **val, size_t *vlen, ddp_wait w) {
+    uint64_t n;
+    ddp_status st = recv_exact(s, &n, sizeof n, w);
+    if (st != DDP_OK) return st;
+    if (n > DDP_STORE_MAX_REPLY)
+        return io_fail(s, ddp_error(DDP_ERR_PROTOCOL, "reply claims a %llu-byte value; "
+                                    "is this a TCPStore server?", (unsigned long long)n));
+    void *p = malloc(n ? (size_t)n : 1);
+    if (p == NULL) return io_fail(s, ddp_error(DDP_ERR_NOMEM, "out of memory"));
+    st = recv_exact(s, p, (size_t)n, w);
+    if (st != DDP_OK) {
+        free(p);
+        return st;
+    }
+    *val = p;
+    *vlen = (size_t)n;
+    return DDP_OK;
+}
+
+/* Reject keys and values the server would refuse, before sending. */
+static ddp_status check_sizes(size_t klen, size_t vlen) {
+    if (klen > DDP_STORE_MAX_KEY)
+        return ddp_error(DDP_ERR_INVALID, "key of %zu bytes exceeds the %zu-byte limit",
+                         klen, DDP_STORE_MAX_KEY);
+    if (vlen > DDP_STORE_MAX_VALUE)
+        return ddp_error(DDP_ERR_INVALID, "value of %zu bytes exceeds the %zu MiB limit",
+                         vlen, DDP_STORE_MAX_VALUE >> 20);
+    return DDP_OK;
+}
+
+ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store **out) {
+    ddp_status st;
+    *out = NULL;
+    ddp_store *s = calloc(1, sizeof *s);
+    if (s == NULL) return ddp_error(DDP_ERR_NOMEM, "store connect: out of memory");
+    ddp_sock_format_hostport(host, port, s->peer, sizeof s->peer);
+    ddp_wbuf_init(&s->req);
+    pthread_mutex_init(&s->mu, NULL);
+    DDP_CHECK(ddp_sock_connect(host, port, w, &s->fd), fail_noconn);
+    uint32_t nonce = (uint32_t)ddp_now_us() ^ (uint32_t)getpid(), echo = 0;
+    DDP_CHECK(begin(s, w, DDP_Q_VALIDATE), fail);
+    ddp_wbuf_u32(&s->req, DDP_STORE_MAGIC);
+    ddp_wbuf_u8(&s->req, DDP_Q_PING);
+    ddp_wbuf_u32(&s->req, nonce);
+    st = send_req(s, w);
+    if (st == DDP_OK) st = recv_exact(s, &echo, sizeof echo, w);
+    if (st == DDP_OK && echo != nonce)
+        st = ddp_error(DDP_ERR_PROTOCOL, "handshake reply did not echo the ping");
+    pthread_mutex_unlock(&s->mu);
+    if (st != DDP_OK) {
+        ddp_error_prefix(st, "store handshake with %s failed (is MASTER_PORT the "
+                         "store's port and not another service's?): ", s->peer);
+        goto fail;
+    }
+    *out = s;
+    return DDP_OK;
+fail:
+    close(s->fd);
+fail_noconn:
+    pthread_mutex_destroy(&s->mu);
+    ddp_wbuf_free(&s->req);
+    free(s);
+    return st;
+}
+
+void ddp_store_close(ddp_store *s) {
+    if (s == NULL) return;
+    close(s->fd);
+    pthread_mutex_destroy(&s->mu);
+    ddp_wbuf_free(&s->req);
+    free(s);
+}
+
+/* SET and APPEND: key, value, no reply. */
+static ddp_status put(ddp_store *s, uint8_t q, const char *key, size_t klen,
+                      const void *val, size_t vlen, ddp_wait w) {
+    const char *op = q == DDP_Q_SET ? "set" : "append";
+    ddp_status st = check_sizes(klen, vlen);
+    if (st != DDP_OK) return ddp_error_prefix(st, "store %s: ", op);
+    if ((st = begin(s, w, q)) != DDP_OK) return st;
+    ddp_wbuf_str(&s->req, key, klen);
+    ddp_wbuf_str(&s->req, val, vlen);
+    return done(s, send_req(s, w), op);
+}
+
+ddp_status ddp_store_set(ddp_store *s, const char *key, size_t klen, const void *val,
+                         size_t vlen, ddp_wait w) {
+    return put(s, DDP_Q_SET, key, klen, val, vlen, w);
+}
+
+ddp_status ddp_store_append(ddp_store *s, const char *key, size_t klen,
+                            const void *val, size_t vlen, ddp_wait w) {
+    return put(s, DDP_Q_APPEND, key, klen, val, vlen, w);
+}
+
+/* Append "u64 n, n keys" to the request being built. */
+static void put_keys(ddp_store *s, const char *const *keys, const size_t *klens,
+                     size_t n) {
+    ddp_wbuf_u64(&s->req, (uint64_t)n);
+    for (size_t i = 0; i < n; i++) ddp_wbuf_str(&s->req, keys[i], klens[i]);
+}
+
+/* CHECK with the mutex held. */
+static ddp_status check_locked(ddp_store *s, const char *const *keys,
+                               const size_t *klens, size_t n, int *ready, ddp_wait w) {
+    s->req.start = s->req.len = 0;
+    ddp_wbuf_u8(&s->req, DDP_Q_CHECK);
+    put_keys(s, keys, klens, n);
+    uint8_t r;
+    ddp_status st = send_req(s, w);
+    if (st == DDP_OK) st = recv_exact(s, &r, 1, w);
+    if (st == DDP_OK) *ready = r == DDP_CHECK_READY;
+    return st;
+}
+
+/* After a WAIT expired: send CANCEL_WAIT and drain. *raced = 1 if the
+ * server had already answered STOP_WAITING (all keys exist). */
+static ddp_status cancel_wait(ddp_store *s, const atomic_int *abort, int *raced) {
+    ddp_wait g = ddp_wait_for(DDP_STORE_GRACE_MS, abort);
+    uint8_t r;
+    s->req.start = s->req.len = 0;
+    ddp_wbuf_u8(&s->req, DDP_Q_CANCEL_WAIT);
+    ddp_status st = send_req(s, g);
+    if (st == DDP_OK) st = recv_exact(s, &r, 1, g);
+    *raced = st == DDP_OK && r == DDP_WAIT_STOP_WAITING;
+    if (*raced) st = recv_exact(s, &r, 1, g);
+    if (st == DDP_OK && r != DDP_WAIT_CANCELED)
+        st = io_fail(s, ddp_error(DDP_ERR_PROTOCOL, "unexpected reply %u to CANCEL_WAIT",
+                                  r));
+    return st;
+}
+
+/* Timeout message naming the first key that is still missing. Returns
+ * DDP_OK if every key turned out to exist after all. */
+static ddp_status wait_timeout(ddp_store *s, const char *const *keys,
+                               const size_t *klens, size_t n, double secs,
+                               const atomic_int *abort) {
+    ddp_wait g = ddp_wait_for(DDP_STORE_GRACE_MS, abort);
+    size_t missing = n;
+    for (size_t i = 0; i < n && i < DDP_STORE_PROBE_KEYS && missing == n; i++) {
+        int ready = 0;
+        ddp_status st = check_locked(s, &keys[i], &klens[i], 1, &ready, g);
+        if (st != DDP_OK) return st;
+        if (!ready) missing = i;
+    }
+    if (missing == n && n <= DDP_STORE_PROBE_KEYS) return DDP_OK;
+    char repr[256] = "(one of them)";
+    if (missing < n) ddp_store_key_repr(keys[missing], klens[missing], repr, sizeof repr);
+    return ddp_error(DDP_ERR_TIMEOUT, "timed out after %.1f s waiting for key '%s' "
+                     "(%zu key(s) requested). Another rank may have failed or not "
+                     "reached this point: check the other ranks' logs, or raise the "
+                     "timeout", secs, repr, n);
+}
+
+/* WAIT with the mutex held. */
+static ddp_status wait_locked(ddp_store *s, const char *const *keys,
+                              const size_t *klens, size_t n, ddp_wait w) {
+    int64_t t0 = ddp_now_ms();
+    for (size_t i = 0; i < n; i++)
+        if (klens[i] > DDP_STORE_MAX_KEY) return check_sizes(klens[i], 0);
+    s->req.start = s->req.len = 0;
+    ddp_wbuf_u8(&s->req, DDP_Q_WAIT);
+    put_keys(s, keys, klens, n);
+    uint8_t r;
+    ddp_status st = send_req(s, w);
+    if (st != DDP_OK) return st;
+    st = ddp_sock_recv_all(s->fd, &r, 1, w, s->peer);
+    if (st == DDP_OK)
+        return r == DDP_WAIT_STOP_WAITING ? DDP_OK
+               : io_fail(s, ddp_error(DDP_ERR_PROTOCOL, "unexpected reply %u to WAIT", r));
+    if (st != DDP_ERR_TIMEOUT && st != DDP_ERR_ABORTED) return io_fail(s, st);
+    ddp_status why = st;
+    int raced = 0;
+    if ((st = cancel_wait(s, w.abort, &raced)) != DDP_OK) return st;
+    if (why == DDP_ERR_ABORTED)
+        return ddp_error(DDP_ERR_ABORTED, "wait aborted");
+    if (raced) return DDP_OK;   /* the keys arrived just as we gave up */
+    return wait_timeout(s, keys, klens, n, (double)(ddp_now_ms() - t0) / 1000.0, w.abort);
+}
+
+ddp_status ddp_store_wait(ddp_store *s, const char *const *keys, const size_t *klens,
+                          size_t n, ddp_wait w) {
+    ddp_status st = begin(s, w, DDP_Q_WAIT);
+    if (st != DDP_OK) return st;
+    return done(s, wait_locked(s, keys, klens, n, w), "wait");
+}
+
+ddp_status ddp_store_get(ddp_store *s, const char *key, size_t klen, void **val,
+                         size_t *vlen, ddp_wait w) {
+    ddp_status st = begin(s, w, DDP_Q_WAIT);
+    if (st != DDP_OK) return st;
+    st = wait_locked(s, &key, &klen, 1, w);
+    if (st == DDP_OK) {
+        s->req.start = s->req.len = 0;
+        ddp_wbuf_u8(&s->req, DDP_Q_GET);
+        ddp_wbuf_str(&s->req, key, klen);
+        st = send_req(s, w);
+    }
+    if (st == DDP_OK) st = recv_value(s, val, vlen, w);
+    return done(s, st, "get");
+}
+
+ddp_status ddp_store_check(ddp_store *s, const char *const *keys, const size_t *klens,
+                           size_t n, int *ready, ddp_wait w) {
+    for (size_t i = 0; i < n; i++)
+        if (klens[i] > DDP_STORE_MAX_KEY)
+            return ddp_error_prefix(check_sizes(klens[i], 0), "store check: ");
+    ddp_status st = begin(s, w, DDP_Q_CHECK);
+    if (st != DDP_OK) return st;
+    return done(s, check_locked(s, keys, klens, n, ready, w), "check");
+}
+
+ddp_status ddp_store_add(ddp_store *s, const char *key, size_t klen, int64_t delta,
+                         int64_t *result, ddp_wait w) {
+    ddp_status st = check_sizes(klen, 0);
+    if (st != DDP_OK) return ddp_error_prefix(st, "store add: ");
+    if ((st = begin(s, w, DDP_Q_ADD)) != DDP_OK) return st;
+    ddp_wbuf_str(&s->req, key, klen);
+    ddp_wbuf_u64(&s->req, (uint64_t)delta);
+    st = send_req(s, w);
+    if (st == DDP_OK) st = recv_exact(s, result, sizeof *result, w);
+    return done(s, st, "add");
+}
+
+ddp_status ddp_store_compare_set(ddp_store *s, const char *key, size_t klen,
+                                 const void *expected, size_t elen, const void *desired,
+                                 size_t dlen, void **out, size_t *outlen, ddp_wait w) {
+    ddp_status st = check_sizes(klen, elen > dlen ? elen : dlen);
+    if (st != DDP_OK) return ddp_error_prefix(st, "store compare_set: ");
+    if ((st = begin(s, w, DDP_Q_COMPARE_SET)) != DDP_OK) return st;
+    ddp_wbuf_str(&s->req, key, klen);
+    ddp_wbuf_str(&s->req, expected, elen);
+    ddp_wbuf_str(&s->req, desired, dlen);
+    st = send_req(s, w);
+    if (st == DDP_OK) st = recv_value(s, out, outlen, w);
+    return done(s, st, "compare_set");
+}
+
+ddp_status ddp_store_delete(ddp_store *s, const char *key, size_t klen,
+                            int64_t *ndeleted, ddp_wait w) {
+    ddp_status st = check_sizes(klen, 0);
+    if (st != DDP_OK) return ddp_error_prefix(st, "store delete_key: ");
+    if ((st = begin(s, w, DDP_Q_DELETE_KEY)) != DDP_OK) return st;
+    ddp_wbuf_str(&s->req, key, klen);
+    st = send_req(s, w);
+    if (st == DDP_OK) st = recv_exact(s, ndeleted, sizeof *ndeleted, w);
+    return done(s, st, "delete_key");
+}
+
+ddp_status ddp_store_num_keys(ddp_store *s, int64_t *n, ddp_wait w) {
+    ddp_status st = begin(s, w, DDP_Q_GETNUMKEYS);
+    if (st != DDP_OK) return st;
+    st = send_req(s, w);
+    if (st == DDP_OK) st = recv_exact(s, n, sizeof *n, w);
+    return done(s, st, "num_keys");
+}

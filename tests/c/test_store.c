@@ -1,0 +1,425 @@
+/* test_store.c - store client and server over loopback: every query, WAIT
+ * timeouts that leave the connection usable (including the STOP_WAITING /
+ * CANCEL_WAIT race, played by a scripted fake server), concurrent clients,
+ * requests arriving in pieces, and raw connections that send garbage,
+ * unknown queries, absurd lengths or vanish mid-request, none of which may
+ * disturb the server for other clients. */
+#include <pthread.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ddp_sock.h"
+#include "ddp_store.h"
+#include "ddp_store_wire.h"
+#include "testutil.h"
+
+#define W(ms) ddp_wait_for(ms, NULL)
+#define K(s) s, strlen(s)
+
+static int g_port;
+
+static ddp_store *client(void) {
+    ddp_store *s;
+    T_OK(ddp_store_connect("127.0.0.1", g_port, W(5000), &s));
+    return s;
+}
+
+/* GET key and compare with want. */
+static void expect_value(ddp_store *s, const char *key, const char *want) {
+    void *v;
+    size_t vl;
+    T_OK(ddp_store_get(s, K(key), &v, &vl, W(5000)));
+    T_ASSERT(vl == strlen(want) && memcmp(v, want, vl) == 0);
+    free(v);
+}
+
+static void test_basic_ops(void) {
+    ddp_store *s = client();
+    T_ASSERT(strstr(ddp_store_peer(s), "127.0.0.1:") != NULL);
+    int64_t n, r;
+    T_OK(ddp_store_num_keys(s, &n, W(5000)));
+    T_ASSERT(n == 0);
+    T_OK(ddp_store_set(s, K("/a"), "hello", 5, W(5000)));
+    expect_value(s, "/a", "hello");
+    T_OK(ddp_store_set(s, K("/empty"), "", 0, W(5000)));
+    expect_value(s, "/empty", "");
+
+    T_OK(ddp_store_add(s, K("/ctr"), 5, &r, W(5000)));
+    T_ASSERT(r == 5);
+    T_OK(ddp_store_add(s, K("/ctr"), -7, &r, W(5000)));
+    T_ASSERT(r == -2);
+    expect_value(s, "/ctr", "-2");   /* stored as ASCII decimal, like torch */
+
+    T_OK(ddp_store_append(s, K("/app"), "ab", 2, W(5000)));
+    T_OK(ddp_store_append(s, K("/app"), "cd", 2, W(5000)));
+    expect_value(s, "/app", "abcd");
+
+    const char *keys[] = {"/a", "/app", "/nope"};
+    size_t kl[] = {2, 4, 5};
+    int ready = -1;
+    T_OK(ddp_store_check(s, keys, kl, 2, &ready, W(5000)));
+    T_ASSERT(ready == 1);
+    T_OK(ddp_store_check(s, keys, kl, 3, &ready, W(5000)));
+    T_ASSERT(ready == 0);
+    T_OK(ddp_store_wait(s, keys, kl, 2, W(5000)));
+
+    void *v;
+    size_t vl;
+    /* absent, expected empty: stores desired */
+    T_OK(ddp_store_compare_set(s, K("/cs"), "", 0, "x", 1, &v, &vl, W(5000)));
+    T_ASSERT(vl == 1 && memcmp(v, "x", 1) == 0);
+    free(v);
+    /* present, mismatch: unchanged, returns current */
+    T_OK(ddp_store_compare_set(s, K("/cs"), "y", 1, "z", 1, &v, &vl, W(5000)));
+    T_ASSERT(vl == 1 && memcmp(v, "x", 1) == 0);
+    free(v);
+    /* present, match: swapped */
+    T_OK(ddp_store_compare_set(s, K("/cs"), "x", 1, "zz", 2, &v, &vl, W(5000)));
+    T_ASSERT(vl == 2 && memcmp(v, "zz", 2) == 0);
+    free(v);
+    /* absent, expected non-empty: returns expected, stores nothing */
+    T_OK(ddp_store_compare_set(s, K("/cs2"), "e", 1, "d", 1, &v, &vl, W(5000)));
+    T_ASSERT(vl == 1 && memcmp(v, "e", 1) == 0);
+    free(v);
+    T_OK(ddp_store_check(s, (const char *[]){"/cs2"}, (size_t[]){4}, 1, &ready, W(5000)));
+    T_ASSERT(ready == 0);
+
+    T_OK(ddp_store_num_keys(s, &n, W(5000)));
+    T_ASSERT(n == 5);   /* /a /empty /ctr /app /cs */
+    T_OK(ddp_store_delete(s, K("/a"), &r, W(5000)));
+    T_ASSERT(r == 1);
+    T_OK(ddp_store_delete(s, K("/a"), &r, W(5000)));
+    T_ASSERT(r == 0);
+    T_OK(ddp_store_num_keys(s, &n, W(5000)));
+    T_ASSERT(n == 4);
+
+    /* A value bigger than any socket buffer arrives in many pieces. */
+    size_t big = (size_t)8 << 20;
+    unsigned char *b = malloc(big);
+    T_ASSERT(b);
+    for (size_t i = 0; i < big; i++) b[i] = (unsigned char)(i * 2654435761u >> 13);
+    T_OK(ddp_store_set(s, K("/big"), b, big, W(10000)));
+    T_OK(ddp_store_get(s, K("/big"), &v, &vl, W(10000)));
+    T_ASSERT(vl == big && memcmp(v, b, big) == 0);
+    free(v);
+    free(b);
+    T_STATUS(ddp_store_set(s, K("/huge"), "", DDP_STORE_MAX_VALUE + 1, W(1000)),
+             DDP_ERR_INVALID);
+    ddp_store_close(s);
+}
+
+static void test_wait_timeout_keeps_connection(void) {
+    ddp_store *s = client();
+    const char *keys[] = {"/present", "/never"};
+    size_t kl[] = {8, 6};
+    T_OK(ddp_store_set(s, K("/present"), "1", 1, W(5000)));
+    int64_t t0 = ddp_now_ms();
+    T_STATUS(ddp_store_wait(s, keys, kl, 2, W(300)), DDP_ERR_TIMEOUT);
+    T_ASSERT(ddp_now_ms() - t0 >= 290);
+    T_ASSERT(strstr(ddp_last_error(), "/never") != NULL);      /* names the missing key */
+    T_ASSERT(strstr(ddp_last_error(), "127.0.0.1:") != NULL);  /* and the server */
+    void *v;
+    size_t vl;
+    T_STATUS(ddp_store_get(s, K("/never"), &v, &vl, W(200)), DDP_ERR_TIMEOUT);
+    /* Same connection still in sync. */
+    expect_value(s, "/present", "1");
+    int64_t r;
+    T_OK(ddp_store_add(s, K("/after"), 3, &r, W(5000)));
+    T_ASSERT(r == 3);
+    ddp_store_close(s);
+}
+
+typedef struct {
+    int id;
+    int iters;
+} worker_arg;
+
+/* Each worker: wait for the go key set by main, then many adds and a set. */
+static void *worker(void *p) {
+    worker_arg *a = p;
+    ddp_store *s = client();
+    const char *go = "/go";
+    size_t gol = 3;
+    T_OK(ddp_store_wait(s, &go, &gol, 1, W(10000)));
+    for (int i = 0; i < a->iters; i++) {
+        int64_t r;
+        T_OK(ddp_store_add(s, K("/shared"), 1, &r, W(10000)));
+    }
+    char key[32], val[32];
+    snprintf(key, sizeof key, "/w%d", a->id);
+    snprintf(val, sizeof val, "v%d", a->id);
+    T_OK(ddp_store_set(s, K(key), K(val), W(10000)));
+    ddp_store_close(s);
+    return NULL;
+}
+
+static void test_concurrent_clients(void) {
+    enum { NW = 4, ITERS = 200 };
+    pthread_t th[NW];
+    worker_arg args[NW];
+    for (int i = 0; i < NW; i++) {
+        args[i] = (worker_arg){i, ITERS};
+        T_ASSERT(pthread_create(&th[i], NULL, worker, &args[i]) == 0);
+    }
+    ddp_store *s = client();
+    usleep(100000);   /* let the workers block in WAIT: SET must wake them */
+    T_OK(ddp_store_set(s, K("/go"), "1", 1, W(5000)));
+    for (int i = 0; i < NW; i++) pthread_join(th[i], NULL);
+    char want[32];
+    snprintf(want, sizeof want, "%d", NW * ITERS);
+    expect_value(s, "/shared", want);
+    for (int i = 0; i < NW; i++) {
+        char key[32], val[32];
+        snprintf(key, sizeof key, "/w%d", i);
+        snprintf(val, sizeof val, "v%d", i);
+        expect_value(s, key, val);
+    }
+    ddp_store_close(s);
+}
+
+/* A raw, validated connection for hand-made requests. */
+static int raw_conn(int validate) {
+    int fd;
+    T_OK(ddp_sock_connect("127.0.0.1", g_port, W(5000), &fd));
+    if (validate) {
+        ddp_wbuf b;
+        ddp_wbuf_init(&b);
+        ddp_wbuf_u8(&b, DDP_Q_VALIDATE);
+        ddp_wbuf_u32(&b, DDP_STORE_MAGIC);
+        T_OK(ddp_sock_send_all(fd, b.p, b.len, W(5000), NULL));
+        ddp_wbuf_free(&b);
+    }
+    return fd;
+}
+
+static void raw_send(int fd, const ddp_wbuf *b) {
+    T_OK(ddp_sock_send_all(fd, b->p, b->len, W(5000), NULL));
+}
+
+/* The server must close fd: a read ends with EOF/reset, not a timeout. */
+static void expect_dropped(int fd) {
+    char buf[64];
+    ddp_status st = DDP_OK;
+    while (st == DDP_OK) st = ddp_sock_recv_all(fd, buf, 1, W(5000), NULL);
+    T_STATUS(st, DDP_ERR_CLOSED);
+    close(fd);
+}
+
+static void test_server_survives_bad_clients(void) {
+    ddp_wbuf b;
+    ddp_wbuf_init(&b);
+    /* 1. garbage instead of VALIDATE */
+    int fd = raw_conn(0);
+    ddp_wbuf_raw(&b, "GET / HTTP/1.1\r\n\r\n", 18);
+    raw_send(fd, &b);
+    expect_dropped(fd);
+    /* 2. a real query without VALIDATE first */
+    fd = raw_conn(0);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_GETNUMKEYS);
+    raw_send(fd, &b);
+    expect_dropped(fd);
+    /* 3. wrong magic */
+    fd = raw_conn(0);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_VALIDATE);
+    ddp_wbuf_u32(&b, 0xdeadbeefu);
+    raw_send(fd, &b);
+    expect_dropped(fd);
+    /* 4. unknown query */
+    fd = raw_conn(1);
+    b.len = 0;
+    ddp_wbuf_u8(&b, 99);
+    raw_send(fd, &b);
+    expect_dropped(fd);
+    /* 5. absurd key length */
+    fd = raw_conn(1);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_SET);
+    ddp_wbuf_u64(&b, (uint64_t)1 << 60);
+    raw_send(fd, &b);
+    expect_dropped(fd);
+    /* 6. absurd key count */
+    fd = raw_conn(1);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_WAIT);
+    ddp_wbuf_u64(&b, UINT64_MAX);
+    raw_send(fd, &b);
+    expect_dropped(fd);
+    /* 7. truncated SET, then vanish */
+    fd = raw_conn(1);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_SET);
+    ddp_wbuf_str(&b, "/trunc", 6);
+    ddp_wbuf_u64(&b, 100);
+    ddp_wbuf_raw(&b, "only a few", 10);
+    raw_send(fd, &b);
+    usleep(50000);
+    close(fd);
+    /* 8. pending WAIT, then vanish; a later SET of that key must be safe */
+    fd = raw_conn(1);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_WAIT);
+    ddp_wbuf_u64(&b, 1);
+    ddp_wbuf_str(&b, "/orphan", 7);
+    raw_send(fd, &b);
+    usleep(50000);
+    close(fd);
+    /* 9. ADD to a key that is not a number drops only that client */
+    ddp_store *s = client();
+    T_OK(ddp_store_set(s, K("/text"), "abc", 3, W(5000)));
+    int64_t r;
+    T_ASSERT(ddp_store_add(s, K("/text"), 1, &r, W(5000)) != DDP_OK);
+    ddp_store_close(s);
+
+    s = client();
+    T_OK(ddp_store_set(s, K("/orphan"), "ok", 2, W(5000)));
+    expect_value(s, "/orphan", "ok");
+    const char *tk = "/trunc";
+    size_t tkl = 6;
+    int ready = -1;
+    T_OK(ddp_store_check(s, &tk, &tkl, 1, &ready, W(5000)));
+    T_ASSERT(ready == 0);   /* the half-sent SET was never applied */
+    ddp_store_close(s);
+    ddp_wbuf_free(&b);
+}
+
+static void test_raw_protocol(void) {
+    ddp_wbuf b;
+    ddp_wbuf_init(&b);
+    int fd = raw_conn(1);
+    /* MULTI_SET then MULTI_GET, the SET sent one byte at a time */
+    ddp_wbuf_u8(&b, DDP_Q_MULTI_SET);
+    ddp_wbuf_u64(&b, 2);
+    ddp_wbuf_str(&b, "/m1", 3);
+    ddp_wbuf_str(&b, "one", 3);
+    ddp_wbuf_str(&b, "/m2", 3);
+    ddp_wbuf_str(&b, "two", 3);
+    for (size_t i = 0; i < b.len; i++) {
+        T_OK(ddp_sock_send_all(fd, b.p + i, 1, W(5000), NULL));
+        if (i % 8 == 0) usleep(1000);
+    }
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_MULTI_GET);
+    ddp_wbuf_u64(&b, 3);
+    ddp_wbuf_str(&b, "/m1", 3);
+    ddp_wbuf_str(&b, "/m2", 3);
+    ddp_wbuf_str(&b, "/m3", 3);
+    raw_send(fd, &b);
+    const char *want[] = {"one", "two", ""};
+    for (int i = 0; i < 3; i++) {
+        uint64_t n;
+        char v[8];
+        T_OK(ddp_sock_recv_all(fd, &n, 8, W(5000), NULL));
+        T_ASSERT(n == strlen(want[i]));
+        T_OK(ddp_sock_recv_all(fd, v, n, W(5000), NULL));
+        T_ASSERT(memcmp(v, want[i], n) == 0);
+    }
+    /* The server side of the race: WAIT, key set by another client, then
+     * CANCEL_WAIT: STOP_WAITING followed by WAIT_CANCELED. */
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_WAIT);
+    ddp_wbuf_u64(&b, 1);
+    ddp_wbuf_str(&b, "/race", 5);
+    raw_send(fd, &b);
+    ddp_store *s = client();
+    T_OK(ddp_store_set(s, K("/race"), "1", 1, W(5000)));
+    ddp_store_close(s);
+    b.len = 0;
+    ddp_wbuf_u8(&b, DDP_Q_CANCEL_WAIT);
+    raw_send(fd, &b);
+    unsigned char r[2];
+    T_OK(ddp_sock_recv_all(fd, r, 2, W(5000), NULL));
+    T_ASSERT(r[0] == DDP_WAIT_STOP_WAITING && r[1] == DDP_WAIT_CANCELED);
+    close(fd);
+    ddp_wbuf_free(&b);
+}
+
+/* Scripted fake server for the client side of the race: answers the
+ * handshake, ignores the WAIT until CANCEL_WAIT, then replies STOP_WAITING
+ * and WAIT_CANCELED together, then answers one GETNUMKEYS with 42. */
+static void *fake_server(void *p) {
+    int lfd = *(int *)p, fd;
+    unsigned char buf[64];
+    T_OK(ddp_sock_accept(lfd, W(5000), &fd));
+    T_OK(ddp_sock_recv_all(fd, buf, 10, W(5000), NULL));   /* VALIDATE + PING */
+    T_OK(ddp_sock_send_all(fd, buf + 6, 4, W(5000), NULL));
+    T_OK(ddp_sock_recv_all(fd, buf, 1 + 8 + 8 + 2, W(5000), NULL));   /* WAIT "/k" */
+    T_ASSERT(buf[0] == DDP_Q_WAIT);
+    T_OK(ddp_sock_recv_all(fd, buf, 1, W(5000), NULL));
+    T_ASSERT(buf[0] == DDP_Q_CANCEL_WAIT);
+    T_OK(ddp_sock_send_all(fd, "\0\1", 2, W(5000), NULL));
+    T_OK(ddp_sock_recv_all(fd, buf, 1, W(5000), NULL));
+    T_ASSERT(buf[0] == DDP_Q_GETNUMKEYS);
+    int64_t n = 42;
+    T_OK(ddp_sock_send_all(fd, &n, 8, W(5000), NULL));
+    close(fd);
+    return NULL;
+}
+
+static void test_client_cancel_race(void) {
+    int lfd, port;
+    T_OK(ddp_sock_listen("127.0.0.1", 0, 0, 0, &lfd, &port));
+    pthread_t th;
+    T_ASSERT(pthread_create(&th, NULL, fake_server, &lfd) == 0);
+    ddp_store *s;
+    T_OK(ddp_store_connect("127.0.0.1", port, W(5000), &s));
+    const char *k = "/k";
+    size_t kl = 2;
+    /* The keys arrived as we gave up: the wait succeeds. */
+    T_OK(ddp_store_wait(s, &k, &kl, 1, W(200)));
+    int64_t n;
+    T_OK(ddp_store_num_keys(s, &n, W(5000)));
+    T_ASSERT(n == 42);
+    pthread_join(th, NULL);
+    /* The fake server is gone: the next request fails and the client is
+     * then unusable with the original reason. */
+    T_ASSERT(ddp_store_num_keys(s, &n, W(2000)) != DDP_OK);
+    T_STATUS(ddp_store_num_keys(s, &n, W(2000)), DDP_ERR_CLOSED);
+    T_ASSERT(strstr(ddp_last_error(), "unusable") != NULL);
+    ddp_store_close(s);
+    close(lfd);
+}
+
+static void test_connect_failures(void) {
+    int lfd, port;
+    T_OK(ddp_sock_listen("127.0.0.1", 0, 0, 0, &lfd, &port));
+    close(lfd);
+    ddp_store *s;
+    T_STATUS(ddp_store_connect("127.0.0.1", port, W(300), &s), DDP_ERR_CONNECT);
+    char want[32];
+    snprintf(want, sizeof want, "127.0.0.1:%d", port);
+    T_ASSERT(strstr(ddp_last_error(), want) != NULL);
+    T_ASSERT(s == NULL);
+}
+
+int main(void) {
+    ddp_store_server *srv;
+    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &g_port));
+    T_ASSERT(g_port > 0);
+    test_basic_ops();
+    test_wait_timeout_keeps_connection();
+    test_concurrent_clients();
+    test_server_survives_bad_clients();
+    test_raw_protocol();
+    test_client_cancel_race();
+    test_connect_failures();
+    /* Stopping with a client still connected: the client then sees a
+     * closed connection, not a hang. */
+    ddp_store *s = client();
+    ddp_store_server_stop(srv);
+    int64_t n;
+    T_ASSERT(ddp_store_num_keys(s, &n, W(2000)) != DDP_OK);
+    ddp_store_close(s);
+    ddp_store_server_stop(NULL);
+    /* Listening on all interfaces, reached over IPv4 by name. */
+    T_OK(ddp_store_server_start(NULL, 0, &srv, &g_port));
+    s = NULL;
+    T_OK(ddp_store_connect("localhost", g_port, W(5000), &s));
+    T_OK(ddp_store_set(s, K("/x"), "y", 1, W(5000)));
+    expect_value(s, "/x", "y");
+    ddp_store_close(s);
+    ddp_store_server_stop(srv);
+    printf("test_store: ok\n");
+    return 0;
+}
