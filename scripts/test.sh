@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's test command: from a fresh clone on a fresh machine, make a virtual
+# environment, install pyddp with its test extras (torch 2.13.0 CPU, pytest), then run
+# the C unit tests (under ASan/UBSan, no Python) and the whole pytest suite.
+# Usage: bash scripts/test.sh [extra pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${PYDDP_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
+make -s -C tests/c check
+echo "== Python tests"
+"$VENV/bin/python" -m pytest -q "$@" tests

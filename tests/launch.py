@@ -1,0 +1,107 @@
+"""Starting and reaping multi-process test runs.
+
+Every launch gets a timeout; on expiry (or any exception) the whole process group the
+launch started is killed by id (SIGKILL to the session leader's group), so a hang fails
+the test instead of stalling CI and no worker outlives its test.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+PY = sys.executable
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self):
+        return self.stdout + self.stderr
+
+
+def run(cmd, env=None, timeout=120, cwd=ROOT) -> Result:
+    """Run cmd in a new session; kill its whole process group at the timeout."""
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONPATH", ROOT)
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    p = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(p.pid)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n--- stdout\n{out}"
+                             f"\n--- stderr\n{err}")
+    finally:
+        kill_group(p.pid)
+    return Result(p.returncode, out, err)
+
+
+def kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def torchrun(script, nproc, args=(), env=None, timeout=120, standalone=True, extra=()):
+    """Launch tests/workers/<script> (or a path) under stock torchrun."""
+    path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
+    cmd = [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    if standalone:
+        cmd.append("--standalone")
+    cmd += list(extra) + [path] + list(args)
+    return run(cmd, env=env, timeout=timeout)
+
+
+def spawn_ranks(script, world_size, args=(), env=None, timeout=120):
+    """Start world_size plain processes with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set
+    (no torchrun: rank 0 hosts the store). Returns one Result per rank."""
+    port = free_port()
+    path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
+    procs = []
+    base = dict(os.environ)
+    base.setdefault("PYTHONPATH", ROOT)
+    base["PYTHONUNBUFFERED"] = "1"
+    base.update(env or {})
+    for r in range(world_size):
+        e = dict(base, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port))
+        e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(subprocess.Popen([PY, path] + list(args), env=e, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    results = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    kill_group(q.pid)
+                out, err = p.communicate()
+                raise AssertionError(f"rank timed out after {timeout} s\n{out}\n{err}")
+            results.append(Result(p.returncode, out, err))
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+    return results

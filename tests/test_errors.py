@@ -1,0 +1,145 @@
+"""Failures are clear, fast and never hang: unreachable master, bad variables, a peer
+that dies, ranks that disagree, bad arrays, versions, timeouts; plus the GIL staying
+free during waits, re-initialisation, and the tcp:// and file:// init methods."""
+import ast
+import os
+import re
+import time
+
+import pytest
+
+from launch import PY, WORKERS, free_port, run, spawn_ranks, torchrun
+
+
+def results(res_list):
+    """Parse the RESULT lines of every rank's output into dicts."""
+    out = []
+    for r in res_list:
+        for line in r.output.splitlines():
+            if line.startswith("RESULT "):
+                d = {}
+                for m in re.finditer(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^ ]+)",
+                                     line[7:]):
+                    d[m.group(1)] = ast.literal_eval(m.group(2))
+                out.append(d)
+    return out
+
+
+def one_rank(code, env, timeout=60):
+    return run([PY, "-c", code], env=env, timeout=timeout)
+
+
+ENV1 = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "LOCAL_RANK": "1"}
+
+
+def test_master_unreachable_names_host_port():
+    port = free_port()    # nothing listens there
+    env = dict(ENV1, MASTER_PORT=str(port), PYDDP_TIMEOUT="3")
+    t0 = time.monotonic()
+    res = one_rank("import pyddp; pyddp.init_process_group('cpu')", env)
+    took = time.monotonic() - t0
+    assert res.returncode != 0
+    assert "DistNetworkError" in res.stderr, res.stderr
+    assert f"127.0.0.1:{port}" in res.stderr
+    assert "security" in res.stderr or "firewall" in res.stderr
+    assert took < 30, took
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
+     "RANK=2 is out of range for WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1234"}, "MASTER_ADDR"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x"}, "MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "x", "MASTER_PORT": "1"}, "WORLD_SIZE"),
+])
+def test_bad_environment_fails_at_once(env, needle):
+    base = {k: "" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    base.update(env)
+    t0 = time.monotonic()
+    res = one_rank("import pyddp; pyddp.init_process_group('cpu')", base, timeout=30)
+    assert time.monotonic() - t0 < 15
+    assert res.returncode != 0 and "DistValueError" in res.stderr, res.stderr
+    assert needle in res.stderr, res.stderr
+
+
+def test_peer_death_fails_every_survivor_fast():
+    res = spawn_ranks("scenarios.py", 3, args=["peer_dies"], env={"PYDDP_TIMEOUT": "120"},
+                      timeout=90)
+    rs = [r for r in results(res) if "cls" in r]
+    assert len(rs) == 2, [r.output for r in res]
+    for r in rs:
+        assert r["cls"] is not None and "DistError" in r["cls"], r
+        assert r["seconds"] < 15, r          # far below the 120 s timeout
+        assert "rank" in r["msg"]
+    after = [r for r in results(res) if "after" in r]
+    assert all(a["after"] and a["seconds_after"] < 2 for a in after), after
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("collective", "broadcast"), ("count", "count"), ("dtype", "float64"),
+    ("op", "max"), ("root", "root")])
+def test_mismatch_detected_on_every_rank(kind, needle):
+    res = spawn_ranks("scenarios.py", 2, args=["mismatch", "--kind", kind],
+                      env={"PYDDP_TIMEOUT": "60"}, timeout=60)
+    rs = results(res)
+    assert len(rs) == 2, [r.output for r in res]
+    for r in rs:
+        assert r["cls"] and "CollectiveMismatchError" in r["cls"], r
+        assert needle in r["msg"].lower(), r
+        assert r["seconds"] < 10, r
+
+
+def test_bad_arrays_rejected_before_communication():
+    res = spawn_ranks("scenarios.py", 2, args=["bad_arrays"], timeout=60)
+    rs = results(res)
+    cases = [r for r in rs if "case" in r]
+    assert len(cases) == 22, [r.output for r in res]
+    for r in cases:
+        assert r["cls"] is not None, r
+        assert "TypeError" in r["cls"] or "ValueError" in r["cls"], r
+    assert [r["after_ok"] for r in rs if "after_ok" in r] == [True, True]
+
+
+def test_version_mismatch_names_ranks_and_versions():
+    res = spawn_ranks("scenarios.py", 2, args=["version"], env={"PYDDP_TIMEOUT": "30"},
+                      timeout=60)
+    rs = results(res)
+    assert len(rs) == 2
+    for r in rs:
+        assert r["cls"] and "VersionMismatchError" in r["cls"], r
+        assert "0.0.1-other" in r["msg"] and "rank 1" in r["msg"] and "rank 0" in r["msg"]
+
+
+def test_timeout_bounds_a_collective():
+    res = spawn_ranks("scenarios.py", 2, args=["timeout"], timeout=60)
+    r0 = [r for r in results(res) if r.get("rank") == 0][0]
+    assert r0["cls"] and "DistTimeoutError" in r0["cls"] and "TimeoutError" in r0["cls"], r0
+    assert 1.5 < r0["seconds"] < 10, r0
+
+
+def test_gil_released_while_waiting():
+    res = spawn_ranks("scenarios.py", 2, args=["gil"], timeout=60)
+    r0 = [r for r in results(res) if r.get("rank") == 0][0]
+    assert r0["waited"] > 0.5
+    assert r0["count"] > 100_000, r0      # the other thread ran during the wait
+
+
+def test_destroy_then_init_again():
+    res = spawn_ranks("scenarios.py", 2, args=["reinit"], timeout=60)
+    assert [r["reinit_ok"] for r in results(res)] == [True, True], [r.output for r in res]
+
+
+def test_tcp_init_method():
+    port = free_port()
+    res = spawn_ranks("scenarios.py", 3, args=["init_method", "--init-method",
+                                               f"tcp://127.0.0.1:{port}"], timeout=60)
+    assert [r["ok"] for r in results(res)] == [True] * 3, [r.output for r in res]
+
+
+def test_file_init_method(tmp_path):
+    path = tmp_path / "rdzv"
+    path.write_text("127.0.0.1 1 stale-from-an-earlier-run\n")   # must not confuse ranks
+    res = spawn_ranks("scenarios.py", 3, args=["init_method", "--init-method",
+                                               f"file://{path}"], timeout=60)
+    assert [r["ok"] for r in results(res)] == [True] * 3, [r.output for r in res]
