@@ -30,6 +30,11 @@ int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort);
 struct ddp_comm;
 struct ddp_comm *ddp_py_pg_comm(PyObject *pg);
 
+/* The C client behind a pyddp._C.StoreClient (borrowed; valid while the object
+ * lives and is not closed), or NULL with TypeError (or DistNetworkError if not
+ * connected) set. */
+struct ddp_store *ddp_py_store_client_ptr(PyObject *obj);
+
 /* Module exec hooks (return 0 on success, -1 with an exception set). */
 int ddp_py_errors_register(PyObject *m);
 int ddp_py_store_register(PyObject *m);

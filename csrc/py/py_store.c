@@ -1,0 +1,443 @@
+/* py_store.c - Python types over the core store: _C.StoreClient (one
+ * connection to a TCPStore-compatible server) and _C.StoreServer (the
+ * background server thread). pyddp/store.py builds torch's TCPStore API on
+ * top of them; keys here are raw wire bytes (no "/" prefix is added).
+ *
+ * Every network call runs without the GIL. Calls that may block for long
+ * (connect, wait, get) run through ddp_py_run_abortable so Ctrl-C still
+ * interrupts them; the others are bounded by the client's timeout and just
+ * release the GIL. A close() while another thread is inside a call is
+ * deferred until that call returns, so the C client is never freed under it.
+ */
+#include "py_common.h"
+
+#include <string.h>
+
+#include "ddp_store.h"
+
+typedef struct {
+    PyObject_HEAD
+    ddp_store *s;
+    int64_t timeout_ms;  /* default deadline of each call */
+    int users;           /* calls in flight (changed only with the GIL held) */
+    int closing;         /* close() requested while users > 0 */
+} ClientObject;
+
+typedef struct {
+    PyObject_HEAD
+    ddp_store_server *srv;
+    int port;
+} ServerObject;
+
+static PyTypeObject *ClientType, *ServerType;
+
+/* ---- one store call, run with the GIL released ----------------------- */
+
+enum { OP_SET, OP_GET, OP_ADD, OP_APPEND, OP_WAIT, OP_CHECK, OP_CAS, OP_DELETE,
+       OP_NUMKEYS, OP_CONNECT };
+
+typedef struct {
+    int op;
+    ddp_store *s;
+    ddp_wait w;
+    atomic_int abort;
+    Py_buffer key, val, val2;        /* key, value / expected, desired */
+    const char **keys;               /* WAIT / CHECK */
+    size_t *klens, nkeys;
+    const char *host;                /* CONNECT */
+    int port;
+    int64_t num;                     /* ADD delta in; ADD/DELETE/NUMKEYS result out */
+    int ready;                       /* CHECK result */
+    void *out;                       /* GET / COMPARE_SET result (malloc'd) */
+    size_t outlen;
+    ddp_status st;
+    char msg[2048];                  /* the error, copied off the calling thread */
+} call;
+
+static void call_run(void *p) {
+    call *c = p;
+    const char *k = c->key.buf;
+    size_t kl = (size_t)c->key.len;
+    switch (c->op) {
+    case OP_CONNECT: c->st = ddp_store_connect(c->host, c->port, c->w, &c->s); break;
+    case OP_SET: c->st = ddp_store_set(c->s, k, kl, c->val.buf, (size_t)c->val.len, c->w); break;
+    case OP_APPEND:
+        c->st = ddp_store_append(c->s, k, kl, c->val.buf, (size_t)c->val.len, c->w);
+        break;
+    case OP_GET: c->st = ddp_store_get(c->s, k, kl, &c->out, &c->outlen, c->w); break;
+    case OP_ADD: c->st = ddp_store_add(c->s, k, kl, c->num, &c->num, c->w); break;
+    case OP_WAIT:
+        c->st = ddp_store_wait(c->s, c->keys, c->klens, c->nkeys, c->w);
+        break;
+    case OP_CHECK:
+        c->st = ddp_store_check(c->s, c->keys, c->klens, c->nkeys, &c->ready, c->w);
+        break;
+    case OP_CAS:
+        c->st = ddp_store_compare_set(c->s, k, kl, c->val.buf, (size_t)c->val.len,
+                                      c->val2.buf, (size_t)c->val2.len, &c->out,
+                                      &c->outlen, c->w);
+        break;
+    case OP_DELETE: c->st = ddp_store_delete(c->s, k, kl, &c->num, c->w); break;
+    case OP_NUMKEYS: c->st = ddp_store_num_keys(c->s, &c->num, c->w); break;
+    }
+    if (c->st != DDP_OK) ddp_copy_error(c->msg, sizeof c->msg);
+}
+
+static void call_init(call *c, int op, int64_t timeout_ms) {
+    memset(c, 0, sizeof *c);
+    c->op = op;
+    atomic_init(&c->abort, 0);
+    c->w = ddp_wait_for(timeout_ms, &c->abort);
+}
+
+static void call_release(call *c) {
+    if (c->key.obj) PyBuffer_Release(&c->key);
+    if (c->val.obj) PyBuffer_Release(&c->val);
+    if (c->val2.obj) PyBuffer_Release(&c->val2);
+    PyMem_Free(c->keys);
+    PyMem_Free(c->klens);
+    free(c->out);
+}
+
+/* Run c on self's connection. Returns 0, or -1 with an exception set (and
+ * c's buffers released). Long operations go through the abortable runner. */
+static int call_do(ClientObject *self, call *c) {
+    if (self->s == NULL || self->closing) {
+        call_release(c);
+        ddp_py_raise(DDP_ERR_CLOSED, "StoreClient is not connected");
+        return -1;
+    }
+    c->s = self->s;
+    self->users++;
+    int rc = 0;
+    if (c->op == OP_WAIT || c->op == OP_GET) {
+        rc = ddp_py_run_abortable(call_run, c, &c->abort);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        call_run(c);
+        Py_END_ALLOW_THREADS
+    }
+    if (--self->users == 0 && self->closing) {
+        ddp_store_close(self->s);
+        self->s = NULL;
+    }
+    if (rc == 0 && c->st != DDP_OK) {
+        ddp_py_raise(c->st, c->msg);
+        rc = -1;
+    }
+    if (rc < 0) call_release(c);
+    return rc;
+}
+
+/* Fill c->keys from a sequence of bytes objects (kept alive by keys_fast). */
+static int parse_keys(call *c, PyObject *seq, PyObject **keys_fast) {
+    *keys_fast = PySequence_Fast(seq, "keys must be a list of bytes");
+    if (*keys_fast == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(*keys_fast);
+    c->keys = PyMem_Calloc(n ? (size_t)n : 1, sizeof *c->keys);
+    c->klens = PyMem_Calloc(n ? (size_t)n : 1, sizeof *c->klens);
+    if (c->keys == NULL || c->klens == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(*keys_fast, i);
+        if (!PyBytes_Check(k)) {
+            PyErr_Format(PyExc_TypeError, "keys must be bytes, not %.80s",
+                         Py_TYPE(k)->tp_name);
+            return -1;
+        }
+        c->keys[i] = PyBytes_AS_STRING(k);
+        c->klens[i] = (size_t)PyBytes_GET_SIZE(k);
+    }
+    c->nkeys = (size_t)n;
+    return 0;
+}
+
+/* Timeout argument: None means the client's default. */
+static int parse_timeout(PyObject *o, int64_t dflt, int64_t *out) {
+    if (o == NULL || o == Py_None) {
+        *out = dflt;
+        return 0;
+    }
+    *out = PyLong_AsLongLong(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* ---- StoreClient methods --------------------------------------------- */
+
+static PyObject *cl_connect(ClientObject *self, PyObject *args) {
+    const char *host;
+    int port;
+    long long timeout_ms;
+    if (!PyArg_ParseTuple(args, "siL:connect", &host, &port, &timeout_ms)) return NULL;
+    if (self->s != NULL) return ddp_py_raise(DDP_ERR_INVALID, "StoreClient is already connected");
+    call c;
+    call_init(&c, OP_CONNECT, timeout_ms);
+    c.host = host;
+    c.port = port;
+    if (ddp_py_run_abortable(call_run, &c, &c.abort) < 0) {
+        ddp_store_close(c.s);
+        return NULL;
+    }
+    if (c.st != DDP_OK) return ddp_py_raise(c.st, c.msg);
+    self->s = c.s;
+    self->timeout_ms = timeout_ms;
+    Py_RETURN_NONE;
+}
+
+/* set and append: (key, value). */
+static PyObject *cl_put(ClientObject *self, PyObject *args, int op) {
+    call c;
+    call_init(&c, op, self->timeout_ms);
+    if (!PyArg_ParseTuple(args, "y*y*", &c.key, &c.val)) return NULL;
+    if (call_do(self, &c) < 0) return NULL;
+    call_release(&c);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cl_set(ClientObject *self, PyObject *args) { return cl_put(self, args, OP_SET); }
+static PyObject *cl_append(ClientObject *self, PyObject *args) {
+    return cl_put(self, args, OP_APPEND);
+}
+
+/* Wrap a call's malloc'd result as bytes and release the call. */
+static PyObject *out_bytes(call *c) {
+    PyObject *r = PyBytes_FromStringAndSize(c->out, (Py_ssize_t)c->outlen);
+    call_release(c);
+    return r;
+}
+
+static PyObject *cl_get(ClientObject *self, PyObject *args) {
+    call c;
+    call_init(&c, OP_GET, self->timeout_ms);
+    if (!PyArg_ParseTuple(args, "y*:get", &c.key)) return NULL;
+    if (call_do(self, &c) < 0) return NULL;
+    return out_bytes(&c);
+}
+
+static PyObject *cl_add(ClientObject *self, PyObject *args) {
+    call c;
+    long long delta;
+    call_init(&c, OP_ADD, self->timeout_ms);
+    if (!PyArg_ParseTuple(args, "y*L:add", &c.key, &delta)) return NULL;
+    c.num = delta;
+    if (call_do(self, &c) < 0) return NULL;
+    call_release(&c);
+    return PyLong_FromLongLong(c.num);
+}
+
+/* wait(keys, timeout_ms=None) and check(keys). */
+static PyObject *cl_keys(ClientObject *self, PyObject *args, int op) {
+    PyObject *seq, *tmo = NULL, *fast = NULL;
+    int64_t timeout_ms;
+    call c;
+    if (!PyArg_ParseTuple(args, op == OP_WAIT ? "O|O:wait" : "O:check", &seq, &tmo))
+        return NULL;
+    if (parse_timeout(tmo, self->timeout_ms, &timeout_ms) < 0) return NULL;
+    call_init(&c, op, timeout_ms);
+    if (parse_keys(&c, seq, &fast) < 0) {
+        Py_XDECREF(fast);
+        call_release(&c);
+        return NULL;
+    }
+    int rc = call_do(self, &c);
+    Py_DECREF(fast);
+    if (rc < 0) return NULL;
+    call_release(&c);
+    if (op == OP_CHECK) return PyBool_FromLong(c.ready);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cl_wait(ClientObject *self, PyObject *args) { return cl_keys(self, args, OP_WAIT); }
+static PyObject *cl_check(ClientObject *self, PyObject *args) {
+    return cl_keys(self, args, OP_CHECK);
+}
+
+static PyObject *cl_compare_set(ClientObject *self, PyObject *args) {
+    call c;
+    call_init(&c, OP_CAS, self->timeout_ms);
+    if (!PyArg_ParseTuple(args, "y*y*y*:compare_set", &c.key, &c.val, &c.val2)) return NULL;
+    if (call_do(self, &c) < 0) return NULL;
+    return out_bytes(&c);
+}
+
+static PyObject *cl_delete_key(ClientObject *self, PyObject *args) {
+    call c;
+    call_init(&c, OP_DELETE, self->timeout_ms);
+    if (!PyArg_ParseTuple(args, "y*:delete_key", &c.key)) return NULL;
+    if (call_do(self, &c) < 0) return NULL;
+    call_release(&c);
+    return PyBool_FromLong(c.num > 0);
+}
+
+static PyObject *cl_num_keys(ClientObject *self, PyObject *noargs) {
+    call c;
+    call_init(&c, OP_NUMKEYS, self->timeout_ms);
+    if (call_do(self, &c) < 0) return NULL;
+    call_release(&c);
+    return PyLong_FromLongLong(c.num);
+}
+
+static PyObject *cl_close(ClientObject *self, PyObject *noargs) {
+    if (self->users > 0) {
+        self->closing = 1;   /* the last call in flight closes it */
+    } else if (self->s != NULL) {
+        ddp_store_close(self->s);
+        self->s = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *cl_get_timeout(ClientObject *self, void *closure) {
+    return PyLong_FromLongLong(self->timeout_ms);
+}
+
+static int cl_set_timeout(ClientObject *self, PyObject *v, void *closure) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete timeout_ms");
+        return -1;
+    }
+    return parse_timeout(v, self->timeout_ms, &self->timeout_ms);
+}
+
+static PyObject *cl_get_peer(ClientObject *self, void *closure) {
+    if (self->s == NULL) Py_RETURN_NONE;
+    return PyUnicode_FromString(ddp_store_peer(self->s));
+}
+
+static void cl_dealloc(ClientObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    ddp_store_close(self->s);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef cl_methods[] = {
+    {"connect", (PyCFunction)cl_connect, METH_VARARGS,
+     "connect(host, port, timeout_ms): connect, VALIDATE and PING."},
+    {"set", (PyCFunction)cl_set, METH_VARARGS, "set(key, value)"},
+    {"get", (PyCFunction)cl_get, METH_VARARGS, "get(key) -> bytes (waits for the key)"},
+    {"add", (PyCFunction)cl_add, METH_VARARGS, "add(key, delta) -> int"},
+    {"append", (PyCFunction)cl_append, METH_VARARGS, "append(key, value)"},
+    {"wait", (PyCFunction)cl_wait, METH_VARARGS,
+     "wait(keys, timeout_ms=None): wait until every key exists."},
+    {"check", (PyCFunction)cl_check, METH_VARARGS, "check(keys) -> bool"},
+    {"compare_set", (PyCFunction)cl_compare_set, METH_VARARGS,
+     "compare_set(key, expected, desired) -> bytes"},
+    {"delete_key", (PyCFunction)cl_delete_key, METH_VARARGS, "delete_key(key) -> bool"},
+    {"num_keys", (PyCFunction)cl_num_keys, METH_NOARGS, "num_keys() -> int"},
+    {"close", (PyCFunction)cl_close, METH_NOARGS, "Close the connection."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef cl_getset[] = {
+    {"timeout_ms", (getter)cl_get_timeout, (setter)cl_set_timeout,
+     "Default timeout of each call, in ms (negative: none).", NULL},
+    {"peer", (getter)cl_get_peer, NULL, "host:port of the server, or None.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot client_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, cl_dealloc},
+    {Py_tp_methods, cl_methods},
+    {Py_tp_getset, cl_getset},
+    {Py_tp_doc, "Connection to a TCPStore-compatible server; keys are wire bytes."},
+    {0, NULL},
+};
+
+static PyType_Spec client_spec = {"pyddp._C.StoreClient", sizeof(ClientObject), 0,
+                                  Py_TPFLAGS_DEFAULT, client_slots};
+
+ddp_store *ddp_py_store_client_ptr(PyObject *obj) {
+    if (ClientType == NULL || !PyObject_TypeCheck(obj, ClientType)) {
+        PyErr_Format(PyExc_TypeError, "expected a pyddp._C.StoreClient, not %.80s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    ClientObject *c = (ClientObject *)obj;
+    if (c->s == NULL || c->closing) {
+        ddp_py_raise(DDP_ERR_CLOSED, "the store client is not connected");
+        return NULL;
+    }
+    return c->s;
+}
+
+/* ---- StoreServer ------------------------------------------------------ */
+
+static PyObject *sv_start(ServerObject *self, PyObject *args) {
+    const char *host = NULL;
+    int port;
+    if (!PyArg_ParseTuple(args, "zi:start", &host, &port)) return NULL;
+    if (self->srv != NULL) return ddp_py_raise(DDP_ERR_INVALID, "StoreServer already started");
+    ddp_status st;
+    ddp_store_server *srv = NULL;
+    int bound = 0;
+    Py_BEGIN_ALLOW_THREADS
+    st = ddp_store_server_start(host, port, &srv, &bound);
+    Py_END_ALLOW_THREADS
+    if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    self->srv = srv;
+    self->port = bound;
+    return PyLong_FromLong(bound);
+}
+
+static void sv_stop_now(ServerObject *self) {
+    ddp_store_server *srv = self->srv;
+    self->srv = NULL;
+    if (srv == NULL) return;
+    Py_BEGIN_ALLOW_THREADS
+    ddp_store_server_stop(srv);
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *sv_stop(ServerObject *self, PyObject *noargs) {
+    sv_stop_now(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *sv_get_port(ServerObject *self, void *closure) {
+    return PyLong_FromLong(self->port);
+}
+
+static void sv_dealloc(ServerObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    sv_stop_now(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef sv_methods[] = {
+    {"start", (PyCFunction)sv_start, METH_VARARGS,
+     "start(bind_host, port) -> port: serve on bind_host (None/'' = all interfaces)."},
+    {"stop", (PyCFunction)sv_stop, METH_NOARGS, "Stop serving and drop every key."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef sv_getset[] = {
+    {"port", (getter)sv_get_port, NULL, "The bound port (0 before start).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot server_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, sv_dealloc},
+    {Py_tp_methods, sv_methods},
+    {Py_tp_getset, sv_getset},
+    {Py_tp_doc, "TCPStore-compatible server running on a background thread."},
+    {0, NULL},
+};
+
+static PyType_Spec server_spec = {"pyddp._C.StoreServer", sizeof(ServerObject), 0,
+                                  Py_TPFLAGS_DEFAULT, server_slots};
+
+int ddp_py_store_register(PyObject *m) {
+    ClientType = (PyTypeObject *)PyType_FromSpec(&client_spec);
+    if (ClientType == NULL || PyModule_AddObjectRef(m, "StoreClient", (PyObject *)ClientType) < 0)
+        return -1;
+    ServerType = (PyTypeObject *)PyType_FromSpec(&server_spec);
+    if (ServerType == NULL || PyModule_AddObjectRef(m, "StoreServer", (PyObject *)ServerType) < 0)
+        return -1;
+    return 0;
+}
