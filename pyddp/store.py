@@ -1,0 +1,206 @@
+"""TCPStore: a key-value store that speaks torch.distributed.TCPStore's wire protocol.
+
+A pyddp TCPStore can serve torch clients and can use a torch server (classic or libuv),
+so pyddp and torch code can share the store that torchrun's agent hosts. The work is
+done in C (``pyddp._C.StoreClient`` / ``StoreServer``); this module adds torch's
+Python-level conventions:
+
+* user keys travel with torch's ``"/"`` prefix, so ``store.set("k", ...)`` here and in
+  torch touch the same key;
+* values may be ``str`` (encoded UTF-8) or bytes-like; ``get`` returns ``bytes``;
+* with ``world_size`` (and ``wait_for_workers``, the default) every instance does
+  ``ADD "init/" 1`` on connect and the master waits until the count reaches
+  ``world_size``, exactly like torch.
+"""
+import time
+from datetime import timedelta
+
+from ._C import (DistError, DistNetworkError, DistTimeoutError, DistTypeError,
+                 DistValueError, StoreClient, StoreServer)
+
+__all__ = ["TCPStore"]
+
+_INIT_KEY = b"init/"        # torch's worker-count key: deliberately without the "/" prefix
+_POLL_S = 0.01              # how often the master re-reads the worker count
+
+
+def _as_bytes(value, what):
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise DistTypeError(f"{what} must be str or bytes, not {type(value).__name__}")
+
+
+def _wire_key(key):
+    """User key -> bytes on the wire, with torch's "/" prefix."""
+    return b"/" + _as_bytes(key, "key")
+
+
+def _to_ms(timeout, what="timeout"):
+    if not isinstance(timeout, timedelta):
+        raise DistTypeError(f"{what} must be a datetime.timedelta, not {type(timeout).__name__}")
+    if timeout < timedelta(0):
+        raise DistValueError(f"{what} must not be negative, got {timeout}")
+    return int(timeout / timedelta(milliseconds=1))
+
+
+class TCPStore:
+    """Key-value store compatible with ``torch.distributed.TCPStore``.
+
+    Args:
+        host_name: address of the server. For the master it is where the others reach
+            it; the master itself listens on all interfaces (as torch's does) and
+            connects its own client over loopback.
+        port: server port; with ``is_master`` and port 0 an ephemeral port is chosen
+            (read it back from ``.port``).
+        world_size: number of store users (clients + 1), or None for any number.
+        is_master: start the server in this process (and connect to it).
+        timeout: default timeout for connecting, ``get`` and ``wait``.
+        wait_for_workers: with ``world_size``, register in ``init/`` and (master) wait
+            for every worker to do so before returning.
+        multi_tenant, master_listen_fd, use_libuv: accepted for compatibility with
+            torch and ignored: every master here owns its own C server, always creates
+            its own socket, and there is a single server implementation.
+
+    Raises DistNetworkError (a ConnectionError) when the server cannot be reached or
+    the port cannot be bound, DistTimeoutError (a TimeoutError) when ``get``/``wait``
+    or the worker count time out, DistValueError/DistTypeError for bad arguments.
+    """
+
+    def __init__(self, host_name, port, world_size=None, is_master=False,
+                 timeout=timedelta(seconds=300), wait_for_workers=True, multi_tenant=False,
+                 master_listen_fd=None, use_libuv=True):
+        if not isinstance(host_name, str):
+            raise DistTypeError(f"host_name must be str, not {type(host_name).__name__}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise DistValueError(f"port must be an int in 0..65535, got {port!r}")
+        if port == 0 and not is_master:
+            raise DistValueError("a client TCPStore needs the server's port, not 0")
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise DistValueError(f"world_size must be a positive int or None, got {world_size!r}")
+        self._host = host_name
+        self._timeout_ms = _to_ms(timeout)
+        self._server = None
+        self._client = StoreClient()
+        if is_master:
+            self._server = StoreServer()
+            try:
+                port = self._server.start(None, port)
+            except DistError as e:
+                # torch reports a busy or unbindable port as DistNetworkError.
+                raise DistNetworkError(f"TCPStore master could not listen on port {port}: "
+                                       f"{e}") from None
+        self._port = port
+        try:
+            self._client.connect("localhost" if is_master else host_name, port,
+                                 self._timeout_ms)
+            if world_size is not None and wait_for_workers:
+                self._client.add(_INIT_KEY, 1)
+                if is_master:
+                    self._wait_for_workers(world_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for_workers(self, world_size):
+        """Poll the worker count until it reaches world_size or the timeout passes."""
+        deadline = time.monotonic() + self._timeout_ms / 1000.0
+        while True:
+            joined = self._client.add(_INIT_KEY, 0)
+            if joined >= world_size:
+                return
+            if time.monotonic() >= deadline:
+                raise DistTimeoutError(
+                    f"TCPStore master on port {self._port}: timed out after "
+                    f"{self._timeout_ms / 1000.0:.1f} s waiting for workers: {joined} of "
+                    f"{world_size} joined. Check that every worker was started and can reach "
+                    f"this host on TCP port {self._port}.")
+            time.sleep(_POLL_S)
+
+    # ---- key-value operations (torch.distributed.Store's API) ----------------
+
+    def set(self, key, value):
+        """Store value (str or bytes) under key, replacing any previous value."""
+        self._client.set(_wire_key(key), _as_bytes(value, "value"))
+
+    def get(self, key):
+        """Return key's value as bytes, waiting up to the store timeout for it."""
+        return self._client.get(_wire_key(key))
+
+    def add(self, key, amount):
+        """Add amount to the integer counter at key (created at 0); return the result."""
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise DistTypeError(f"amount must be an int, not {type(amount).__name__}")
+        return self._client.add(_wire_key(key), amount)
+
+    def append(self, key, value):
+        """Append value to key's value, creating the key if absent."""
+        self._client.append(_wire_key(key), _as_bytes(value, "value"))
+
+    def wait(self, keys, timeout=None):
+        """Wait until every key in keys exists (up to timeout, default the store's)."""
+        ms = None if timeout is None else _to_ms(timeout)
+        self._client.wait(self._wire_keys(keys), ms)
+
+    def check(self, keys):
+        """True if every key in keys exists right now."""
+        return self._client.check(self._wire_keys(keys))
+
+    def compare_set(self, key, expected_value, desired_value):
+        """Set key to desired_value if its value equals expected_value (or if key is
+        absent and expected_value is empty); return the value after the operation."""
+        return self._client.compare_set(_wire_key(key), _as_bytes(expected_value, "expected_value"),
+                                        _as_bytes(desired_value, "desired_value"))
+
+    def delete_key(self, key):
+        """Delete key; True if it existed."""
+        return self._client.delete_key(_wire_key(key))
+
+    def num_keys(self):
+        """Number of keys in the store (torch's ``init/`` counter included)."""
+        return self._client.num_keys()
+
+    def set_timeout(self, timeout):
+        """Change the default timeout of get and wait."""
+        self._timeout_ms = _to_ms(timeout)
+        self._client.timeout_ms = self._timeout_ms
+
+    @staticmethod
+    def _wire_keys(keys):
+        if isinstance(keys, (str, bytes)):
+            raise DistTypeError("keys must be a list of keys, not a single key")
+        return [_wire_key(k) for k in keys]
+
+    # ---- properties and lifetime -------------------------------------------
+
+    @property
+    def host(self):
+        """The host name this store was created with."""
+        return self._host
+
+    @property
+    def port(self):
+        """The server's port (the bound one, for a master created with port 0)."""
+        return self._port
+
+    @property
+    def timeout(self):
+        """The default timeout, as a timedelta."""
+        return timedelta(milliseconds=self._timeout_ms)
+
+    def close(self):
+        """Close the connection and, on the master, stop the server. Idempotent."""
+        self._client.close()
+        if self._server is not None:
+            self._server.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        role = "master" if self._server is not None else "client"
+        return f"<pyddp.TCPStore {role} {self._host!r}:{self._port}>"
