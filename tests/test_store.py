@@ -1,0 +1,345 @@
+"""pyddp.TCPStore against torch.distributed.TCPStore, in both directions.
+
+torch is the reference: a pyddp server must serve torch clients and a pyddp client must
+work against both torch servers (libuv and classic), with the same keys visible to each
+side. Also: wait timeouts that leave the connection usable, a master waiting for its
+workers, raw sockets that send garbage to the pyddp server (which must keep serving
+others), and connection failures that name host:port. Every scenario runs in a thread
+joined with a timeout, on top of the stores' own timeouts.
+"""
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from pyddp import _C
+from pyddp.store import TCPStore
+
+td = pytest.importorskip("torch.distributed")
+
+T = timedelta(seconds=10)
+SHORT = timedelta(milliseconds=300)
+MAGIC = 0x3C85F7CE
+
+
+def bounded(fn, seconds=60):
+    """Run fn in a thread; fail (instead of hanging) if it does not finish in time,
+    and re-raise what it raised."""
+    box = {}
+
+    def body():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            box["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn.__name__} did not finish within {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_master(use_libuv, world_size=None, port=0):
+    return td.TCPStore("127.0.0.1", port, world_size, True, T, use_libuv=use_libuv)
+
+
+def exercise(writer, reader, ns):
+    """Operations through `writer`, checked through `reader` (one pyddp, one torch),
+    on keys under the namespace ns."""
+    writer.set(ns + "a", "hello")
+    assert reader.get(ns + "a") == b"hello"
+    writer.set(ns + "bin", b"\x00\xff\x01")
+    assert reader.get(ns + "bin") == b"\x00\xff\x01"
+    assert writer.add(ns + "ctr", 5) == 5
+    assert reader.add(ns + "ctr", -2) == 3
+    assert writer.get(ns + "ctr") == b"3"          # counters are ASCII decimal on the wire
+    assert writer.check([ns + "a", ns + "ctr"]) is True
+    assert reader.check([ns + "a", ns + "missing"]) is False
+    # compare_set: absent+empty stores; mismatch keeps; match swaps; absent+nonempty
+    assert writer.compare_set(ns + "cs", "", "x") == b"x"
+    assert writer.compare_set(ns + "cs", "y", "z") == b"x"
+    assert writer.compare_set(ns + "cs", "x", "z") == b"z"
+    assert reader.get(ns + "cs") == b"z"
+    assert writer.compare_set(ns + "cs2", "e", "d") == b"e"
+    assert reader.check([ns + "cs2"]) is False
+    writer.append(ns + "ap", "ab")
+    writer.append(ns + "ap", b"cd")
+    assert reader.get(ns + "ap") == b"abcd"
+    assert writer.num_keys() == reader.num_keys()
+    n = writer.num_keys()
+    assert writer.delete_key(ns + "a") is True
+    assert writer.delete_key(ns + "a") is False
+    assert reader.check([ns + "a"]) is False
+    assert reader.num_keys() == n - 1
+    # wait woken by the other side
+    t = threading.Timer(0.2, lambda: reader.set(ns + "late", "1"))
+    t.start()
+    writer.wait([ns + "late", ns + "ctr"], T)
+    t.join()
+    assert writer.get(ns + "late") == b"1"
+
+
+def wait_timeout_then_reuse(store, expect_exc):
+    t0 = time.monotonic()
+    with pytest.raises(expect_exc) as ei:
+        store.wait(["never"], SHORT)
+    assert 0.25 <= time.monotonic() - t0 < 5
+    store.set("after_timeout", "ok")        # the same connection still works
+    assert store.get("after_timeout") == b"ok"
+    return ei.value
+
+
+def test_pyddp_server_torch_client():
+    def scenario():
+        master = TCPStore("127.0.0.1", 0, is_master=True, timeout=T)
+        try:
+            client = td.TCPStore("127.0.0.1", master.port, is_master=False, timeout=T)
+            exercise(master, client, "p1/")
+            exercise(client, master, "p2/")
+            wait_timeout_then_reuse(client, Exception)
+            # torch clients also use MULTI_SET / MULTI_GET
+            client.multi_set(["m1", "m2"], ["1", "2"])
+            assert client.multi_get(["m1", "m2"]) == [b"1", b"2"]
+            assert master.get("m2") == b"2"
+            del client
+        finally:
+            master.close()
+    bounded(scenario)
+
+
+@pytest.mark.parametrize("use_libuv", [True, False])
+def test_torch_server_pyddp_client(use_libuv):
+    def scenario():
+        master = torch_master(use_libuv)
+        client = TCPStore("127.0.0.1", master.port, timeout=T)
+        try:
+            exercise(client, master, "p2/")
+            exercise(master, client, "p1/")
+            err = wait_timeout_then_reuse(client, _C.DistTimeoutError)
+            assert isinstance(err, TimeoutError)
+            assert "'/never'" in str(err) and f"127.0.0.1:{master.port}" in str(err)
+            client.set_timeout(SHORT)
+            with pytest.raises(_C.DistTimeoutError):
+                client.get("never")   # uses the store's timeout
+            client.set_timeout(T)
+            assert client.get("after_timeout") == b"ok"
+        finally:
+            client.close()
+    bounded(scenario)
+
+
+def test_world_size_handshake_both_directions():
+    def pyddp_master():
+        port = free_port()
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault(
+            "m", TCPStore("127.0.0.1", port, world_size=2, is_master=True, timeout=T)))
+        th.start()
+        worker = td.TCPStore("127.0.0.1", port, 2, False, T)
+        th.join(20)
+        assert not th.is_alive() and "m" in box, "pyddp master did not see the torch worker"
+        assert box["m"]._client.get(b"init/") == b"2"   # torch's unprefixed counter
+        worker.set("y", "2")
+        assert box["m"].get("y") == b"2"
+        del worker
+        box["m"].close()
+
+    def torch_master_pyddp_worker():
+        port = free_port()
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("m", torch_master(True, 2, port)))
+        th.start()
+        worker = TCPStore("127.0.0.1", port, world_size=2, timeout=T)
+        th.join(20)
+        assert not th.is_alive() and "m" in box, "torch master did not see the pyddp worker"
+        worker.set("x", "1")
+        assert box["m"].get("x") == b"1"
+        worker.close()
+
+    bounded(pyddp_master)
+    bounded(torch_master_pyddp_worker)
+
+
+def test_master_times_out_waiting_for_workers():
+    def scenario():
+        t0 = time.monotonic()
+        with pytest.raises(_C.DistTimeoutError, match="1 of 2 joined"):
+            TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=SHORT)
+        assert time.monotonic() - t0 < 5
+    bounded(scenario)
+
+
+def test_connect_to_unused_port_fails_naming_host_port():
+    def scenario():
+        port = free_port()
+        t0 = time.monotonic()
+        with pytest.raises(_C.DistNetworkError) as ei:
+            TCPStore("127.0.0.1", port, timeout=timedelta(milliseconds=500))
+        assert 0.45 <= time.monotonic() - t0 < 5
+        assert isinstance(ei.value, ConnectionError)
+        assert f"127.0.0.1:{port}" in str(ei.value)
+        assert "MASTER_ADDR" in str(ei.value)
+    bounded(scenario)
+
+
+def test_master_port_in_use():
+    def scenario():
+        first = TCPStore("127.0.0.1", 0, is_master=True, timeout=T)
+        try:
+            with pytest.raises(_C.DistNetworkError, match="in use"):
+                TCPStore("127.0.0.1", first.port, is_master=True, timeout=T)
+        finally:
+            first.close()
+    bounded(scenario)
+
+
+def test_argument_errors():
+    def scenario():
+        with TCPStore("127.0.0.1", 0, is_master=True, timeout=T) as s:
+            with pytest.raises(TypeError):
+                s.set("k", 5)
+            with pytest.raises(TypeError):
+                s.add("k", "1")
+            with pytest.raises(TypeError):
+                s.wait("k")
+            with pytest.raises(TypeError):
+                s.set_timeout(5)
+            with pytest.raises(ValueError):
+                s.set_timeout(timedelta(seconds=-1))
+            s.set_timeout(timedelta(seconds=2))
+            assert s.timeout == timedelta(seconds=2)
+            assert s.host == "127.0.0.1" and s.port > 0
+        with pytest.raises(ValueError):
+            TCPStore("127.0.0.1", 0, is_master=False)
+        with pytest.raises(ValueError):
+            TCPStore("127.0.0.1", 70000, is_master=False)
+    bounded(scenario)
+
+
+# ---- raw sockets against the pyddp server ---------------------------------
+
+def wire_str(b):
+    return struct.pack("<Q", len(b)) + b
+
+
+def raw(port, validate=True):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    if validate:
+        s.sendall(struct.pack("<BI", 0, MAGIC))
+    return s
+
+
+def dropped(s):
+    """True if the server closes s (EOF or reset) within the socket timeout."""
+    try:
+        while True:
+            if s.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+    finally:
+        s.close()
+
+
+def test_server_survives_bad_clients():
+    def scenario():
+        master = TCPStore("127.0.0.1", 0, is_master=True, timeout=T)
+        port = master.port
+        try:
+            master.set("keep", "safe")
+            s = raw(port, validate=False)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert dropped(s), "garbage first message"
+            s = raw(port, validate=False)
+            s.sendall(struct.pack("<B", 7))            # GETNUMKEYS without VALIDATE
+            assert dropped(s), "no VALIDATE"
+            s = raw(port, validate=False)
+            s.sendall(struct.pack("<BI", 0, 0x12345678))
+            assert dropped(s), "wrong magic"
+            s = raw(port)
+            s.sendall(bytes([99]))
+            assert dropped(s), "unknown query"
+            s = raw(port)
+            s.sendall(bytes([1]) + struct.pack("<Q", 1 << 62))
+            assert dropped(s), "absurd key length"
+            s = raw(port)
+            s.sendall(bytes([6]) + struct.pack("<Q", (1 << 64) - 1))
+            assert dropped(s), "absurd key count"
+            # truncated SET, then the client vanishes mid-request
+            s = raw(port)
+            s.sendall(bytes([1]) + wire_str(b"/trunc") + struct.pack("<Q", 100) + b"partial")
+            time.sleep(0.05)
+            s.close()
+            # pending WAIT, then vanish; a later SET of that key must be harmless
+            s = raw(port)
+            s.sendall(bytes([6]) + struct.pack("<Q", 1) + wire_str(b"/orphan"))
+            time.sleep(0.05)
+            s.close()
+            # a request sent in pieces is applied once complete
+            s = raw(port)
+            req = bytes([1]) + wire_str(b"/pieces") + wire_str(b"assembled")
+            for i in range(len(req)):
+                s.sendall(req[i:i + 1])
+                time.sleep(0.002)
+            s.sendall(bytes([13]) + struct.pack("<I", 77))      # PING
+            s.settimeout(5)
+            assert s.recv(4) == struct.pack("<I", 77)
+            s.close()
+
+            master.set("orphan", "fine")
+            assert master.get("orphan") == b"fine"
+            assert master.check(["trunc"]) is False          # never half-applied
+            assert master.get("pieces") == b"assembled"
+            other = TCPStore("127.0.0.1", port, timeout=T)
+            assert other.get("keep") == b"safe"
+            other.close()
+            tc = td.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
+            assert tc.get("keep") == b"safe"
+            del tc
+        finally:
+            master.close()
+    bounded(scenario)
+
+
+def test_concurrent_clients_pyddp_and_torch():
+    def scenario():
+        master = TCPStore("127.0.0.1", 0, is_master=True, timeout=T)
+        errors = []
+
+        def work(make):
+            try:
+                s = make()
+                s.wait(["go"], T)
+                for _ in range(100):
+                    s.add("shared", 1)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        makers = [lambda: TCPStore("127.0.0.1", master.port, timeout=T)] * 3 + \
+                 [lambda: td.TCPStore("127.0.0.1", master.port, is_master=False, timeout=T)] * 2
+        threads = [threading.Thread(target=work, args=(m,)) for m in makers]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        master.set("go", "1")
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors
+        assert int(master.get("shared")) == 100 * len(makers)
+        master.close()
+    bounded(scenario)
