@@ -3,9 +3,10 @@
  * Reduction kernels combine `n` elements of `src` into `dst` in place
  * (dst[i] = dst[i] op src[i]). float16 and bfloat16 are converted to float32,
  * combined, and rounded back (round-to-nearest-even) on each call; the
- * collectives that need float32 accumulation over several steps use the
- * *_acc variants on float32 staging buffers. Kernels are plain loops written
- * so that the compiler vectorises them.
+ * collectives that need float32 accumulation over several steps convert to
+ * float32 staging buffers (ddp_convert_to_f32), reduce there as DDP_FLOAT32
+ * or with ddp_reduce_acc, and round once at the end. Kernels are plain loops
+ * written so that the compiler vectorises them.
  */
 #ifndef DDP_DTYPE_H
 #define DDP_DTYPE_H
@@ -39,6 +40,10 @@ void ddp_reduce(ddp_dtype t, ddp_redop op, void *dst, const void *src, size_t n)
 void ddp_reduce3(ddp_dtype t, ddp_redop op, void *dst, const void *a,
                  const void *b, size_t n);
 
+/* acc[i] = acc[i] op float(src[i]) for a float16 or bfloat16 src (float32
+ * accumulation without a separate conversion pass). Other t: no-op. */
+void ddp_reduce_acc(ddp_dtype t, ddp_redop op, float *acc, const void *src, size_t n);
+
 /* After a SUM-style reduction across `nranks`, apply AVG's division: floats
  * divide (exact: sum then divide, as torch does); integers divide with
  * truncation toward zero (torch's integer semantics for AVG are undefined;
@@ -50,6 +55,7 @@ float ddp_half_to_float(uint16_t h);
 uint16_t ddp_float_to_half(float f);
 float ddp_bf16_to_float(uint16_t h);
 uint16_t ddp_float_to_bf16(float f);
+/* Whole-array conversions for t = FLOAT16, BFLOAT16 (or FLOAT32: a copy). */
 void ddp_convert_to_f32(ddp_dtype t, float *dst, const void *src, size_t n);
 void ddp_convert_from_f32(ddp_dtype t, void *dst, const float *src, size_t n);
 

@@ -52,10 +52,35 @@ ddp_status ddp_link_recv(ddp_link *l, void *buf, size_t n, ddp_wait w);
 ddp_status ddp_link_sendrecv(ddp_link *sl, const void *sbuf, size_t sn,
                              ddp_link *rl, void *rbuf, size_t rn, ddp_wait w);
 
+/* One transfer in a batch driven by ddp_link_xfer: send from src or receive
+ * into dst (by `send`), len bytes in all. The caller sets done = 0 once and
+ * chooses `want` per call: ddp_link_xfer returns when every transfer has
+ * done >= want, while still moving any transfer with done < len whenever
+ * its link is ready (so a peer is never starved while this rank waits for
+ * something else). A transfer whose link fails after reaching `want` is
+ * parked rather than failed; the failure is reported by the first later call
+ * that needs more of it. Several transfers may share a link (one per
+ * direction). */
+typedef struct ddp_xfer {
+    ddp_link *link;
+    int send;
+    const void *src;
+    void *dst;
+    size_t len, want, done;
+    int parked;            /* internal: link failed after `want` was met */
+} ddp_xfer;
+
+/* Drive n transfers concurrently, polling their links, until each has
+ * done >= want; TIMEOUT, ABORTED or the first transfer's failure otherwise
+ * (messages name the direction and the link's desc). */
+ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w);
+
 void ddp_link_shutdown(ddp_link *l);
 void ddp_link_free(ddp_link *l);   /* NULL is a no-op */
 
-/* A TCP link over a connected socket; takes ownership of fd. */
+/* A TCP link over a connected socket; takes ownership of fd (made
+ * non-blocking, TCP_NODELAY and 4 MiB buffers, best effort). NULL when out
+ * of memory, with fd already closed. */
 ddp_link *ddp_link_tcp_new(int fd, int peer, const char *desc);
 
 #endif

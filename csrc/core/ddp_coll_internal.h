@@ -1,0 +1,107 @@
+/* ddp_coll_internal.h - what the collective files share among themselves:
+ * the wire header, the full-mesh message exchange every collective starts
+ * with, scratch memory, block partitioning, and the entry points of each
+ * algorithm. Not part of the core's public interface (see ddp_coll.h).
+ *
+ * Files: ddp_coll.c (validation, dispatch, scratch), ddp_coll_xchg.c
+ * (header codec, mismatch check, exchange), ddp_coll_small.c (latency path),
+ * ddp_coll_ring.c (ring reduce-scatter / all-gather), ddp_coll_root.c
+ * (broadcast, reduce, gather, scatter, send/recv on the bandwidth path).
+ */
+#ifndef DDP_COLL_INTERNAL_H
+#define DDP_COLL_INTERNAL_H
+
+#include "ddp_coll.h"
+
+#define DDP_COLL_MAGIC 0x4c4f4344u /* "DCOL" little-endian */
+#define DDP_COLL_HDR_BYTES 32
+#define DDP_COLL_DEFAULT_CHUNK (1u << 20)
+
+/* The header every collective exchanges, in host form. On the wire it is
+ * these fields in this order, little-endian, 32 bytes. Fields that do not
+ * apply to a kind are zero (op outside reductions, root outside rooted
+ * kinds, everything but kind and seq for barrier), so headers compare
+ * field by field. */
+typedef struct ddp_coll_hdr {
+    uint32_t magic;
+    uint8_t kind, dtype, op, reserved;
+    int32_t root;    /* root, or the peer for send/recv */
+    uint32_t rank;   /* sender */
+    uint64_t count;
+    uint64_t seq;    /* g->seq of the sender (not advanced by send/recv) */
+} ddp_coll_hdr;
+_Static_assert(sizeof(ddp_coll_hdr) == DDP_COLL_HDR_BYTES, "collective header must be 32 bytes");
+
+/* What one exchange carries: every rank sends one message to each peer and
+ * receives one from each peer (or only to/from `peer` for send/recv). A
+ * message is the 32-byte header followed by an optional payload. */
+typedef struct ddp_coll_xchg {
+    int peer;            /* -1: every other rank; else only this rank */
+    const void *sbase;   /* payload to send (NULL when sbytes == 0) */
+    size_t sbytes;       /* payload bytes per destination */
+    size_t sstride;      /* 0: the same payload to all; else rank p gets sbase + p*sstride */
+    int sto;             /* -1: payload to every destination; else only to this rank */
+    size_t rbytes;       /* payload bytes expected per source */
+    int rfrom;           /* -1: from every source; else only from this rank */
+    size_t extra;        /* scratch bytes the caller needs afterwards */
+} ddp_coll_xchg;
+
+/* Where an exchange left things (all inside g->scratch, valid until the
+ * next scratch request). */
+typedef struct ddp_coll_xres {
+    unsigned char *slots; /* rank p's message at slots + p*slot_len */
+    size_t slot_len;
+    const void *own;      /* copy of the payload sent (sstride == 0), or NULL */
+    void *extra;          /* x->extra bytes, 64-byte aligned */
+} ddp_coll_xres;
+
+/* Payload of rank p's message in an exchange result. */
+static inline const void *ddp_coll_payload(const ddp_coll_xres *r, int p) {
+    return r->slots + (size_t)p * r->slot_len + DDP_COLL_HDR_BYTES;
+}
+
+static inline int ddp_coll_is_half(ddp_dtype t) {
+    return t == DDP_FLOAT16 || t == DDP_BFLOAT16;
+}
+
+/* The header this rank sends for a (validated) call. */
+ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a);
+/* "all_reduce(count=10, float32, sum)" for a header, into buf. */
+void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len);
+
+/* Send this rank's header (+payload) to every peer and receive theirs, as
+ * laid out by x; check every header as soon as all have arrived (so every
+ * rank reports a mismatch, whatever the payload sizes), then finish moving
+ * the payloads. DDP_ERR_MISMATCH names both ranks and both calls;
+ * DDP_ERR_PROTOCOL for garbage. Uses g->scratch. */
+ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll_xchg *x,
+                             ddp_wait w, ddp_coll_xres *res);
+
+/* Make g->scratch at least n bytes (contents not kept); *out = g->scratch. */
+ddp_status ddp_coll_scratch(ddp_group *g, size_t n, void **out);
+
+/* Block b of `count` elements split into n nearly equal blocks (the first
+ * count % n blocks one element longer). */
+void ddp_coll_block(size_t count, int n, int b, size_t *off, size_t *len);
+
+/* Elements per pipeline chunk for elements of esize bytes (at least 1). */
+size_t ddp_coll_chunk_elems(const ddp_group *g, size_t esize);
+
+/* Round n up to a multiple of 64 (scratch regions start cache-aligned). */
+static inline size_t ddp_coll_align(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Latency path: the whole collective in one exchange. */
+ddp_status ddp_coll_small(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
+                          ddp_wait w);
+
+/* Bandwidth path, run after a header-only exchange. */
+ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_ring_allgather(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_ring_reduce_scatter(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_chain_broadcast(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_direct_gather(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_direct_scatter(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_p2p(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+
+#endif

@@ -1,0 +1,215 @@
+/* ddp_coll_xchg.c - the 32-byte collective header and the exchange that
+ * starts every collective: each rank sends [header][payload] to every peer
+ * and receives the same from each, so every rank sees every rank's header
+ * and can name exactly who called what when calls differ.
+ *
+ * The exchange runs in two phases over one set of transfers: first until
+ * every peer's header is in (payloads keep flowing meanwhile), then, once
+ * the headers agree, until every payload is complete. Checking before the
+ * payloads are needed is what lets every rank report a mismatch even when
+ * the mismatched calls carry different payload sizes.
+ */
+#include "ddp_coll_internal.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* ---- header codec --------------------------------------------------------- */
+
+static void put32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void put64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t get32(const unsigned char *p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+
+static uint64_t get64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static void hdr_encode(const ddp_coll_hdr *h, unsigned char *out) {
+    put32(out, h->magic);
+    out[4] = h->kind;
+    out[5] = h->dtype;
+    out[6] = h->op;
+    out[7] = h->reserved;
+    put32(out + 8, (uint32_t)h->root);
+    put32(out + 12, h->rank);
+    put64(out + 16, h->count);
+    put64(out + 24, h->seq);
+}
+
+static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
+    h->magic = get32(in);
+    h->kind = in[4];
+    h->dtype = in[5];
+    h->op = in[6];
+    h->reserved = in[7];
+    h->root = (int32_t)get32(in + 8);
+    h->rank = get32(in + 12);
+    h->count = get64(in + 16);
+    h->seq = get64(in + 24);
+}
+
+ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a) {
+    ddp_coll_hdr h = {.magic = DDP_COLL_MAGIC, .kind = (uint8_t)a->kind,
+                      .rank = (uint32_t)g->rank, .seq = g->seq};
+    if (a->kind == DDP_COLL_BARRIER) return h;
+    h.dtype = (uint8_t)a->dtype;
+    h.count = a->count;
+    if (a->kind == DDP_COLL_ALLREDUCE || a->kind == DDP_COLL_REDUCE ||
+        a->kind == DDP_COLL_REDUCE_SCATTER)
+        h.op = (uint8_t)a->op;
+    if (a->kind != DDP_COLL_ALLREDUCE && a->kind != DDP_COLL_ALLGATHER &&
+        a->kind != DDP_COLL_REDUCE_SCATTER)
+        h.root = a->root;
+    return h;
+}
+
+void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len) {
+    const char *name = ddp_coll_name((ddp_coll_kind)h->kind);
+    const char *dt = ddp_dtype_name((ddp_dtype)h->dtype);
+    const char *op = ddp_redop_name((ddp_redop)h->op);
+    unsigned long long n = (unsigned long long)h->count;
+    switch (h->kind) {
+    case DDP_COLL_BARRIER: snprintf(buf, len, "barrier()"); break;
+    case DDP_COLL_ALLREDUCE: case DDP_COLL_REDUCE_SCATTER:
+        snprintf(buf, len, "%s(count=%llu, %s, %s)", name, n, dt, op);
+        break;
+    case DDP_COLL_REDUCE:
+        snprintf(buf, len, "%s(count=%llu, %s, %s, root=%d)", name, n, dt, op, (int)h->root);
+        break;
+    case DDP_COLL_ALLGATHER: snprintf(buf, len, "%s(count=%llu, %s)", name, n, dt); break;
+    case DDP_COLL_SEND:
+        snprintf(buf, len, "send(count=%llu, %s, to rank %d)", n, dt, (int)h->root);
+        break;
+    case DDP_COLL_RECV:
+        snprintf(buf, len, "recv(count=%llu, %s, from rank %d)", n, dt, (int)h->root);
+        break;
+    default: snprintf(buf, len, "%s(count=%llu, %s, root=%d)", name, n, dt, (int)h->root);
+    }
+}
+
+/* ---- header checks -------------------------------------------------------- */
+
+static ddp_status hdr_read(const ddp_coll_xres *r, int p, ddp_coll_hdr *h) {
+    hdr_decode(r->slots + (size_t)p * r->slot_len, h);
+    if (h->magic != DDP_COLL_MAGIC || h->rank != (uint32_t)p)
+        return ddp_error(DDP_ERR_PROTOCOL, "rank %d sent bytes that are not a collective header "
+                         "(magic 0x%08x, rank %u); do all ranks run the same pyddp version?", p,
+                         (unsigned)h->magic, (unsigned)h->rank);
+    return DDP_OK;
+}
+
+static int same_call(const ddp_coll_hdr *a, const ddp_coll_hdr *b) {
+    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
+           a->count == b->count;
+}
+
+/* DDP_ERR_MISMATCH naming the two ranks (lower first) and their calls. */
+static ddp_status mismatch(int ra, const ddp_coll_hdr *a, int rb, const ddp_coll_hdr *b) {
+    char da[160], db[160];
+    if (ra > rb) {
+        const ddp_coll_hdr *t = a;
+        int tr = ra;
+        a = b, ra = rb, b = t, rb = tr;
+    }
+    ddp_coll_describe(a, da, sizeof da);
+    ddp_coll_describe(b, db, sizeof db);
+    if (same_call(a, b))
+        return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d is at collective #%llu, "
+                         "%s, but rank %d is at collective #%llu, %s; every rank must make the "
+                         "same collective calls in the same order", ra,
+                         (unsigned long long)a->seq + 1, da, rb, (unsigned long long)b->seq + 1,
+                         db);
+    return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s but rank %d "
+                     "called %s; every rank must make the same collective calls (same count, "
+                     "dtype, op and root) in the same order", ra, da, rb, db);
+}
+
+/* Collectives: compare every rank's header with rank 0's, so that every rank
+ * reports the same first difference. Send/recv: the peer must have made the
+ * matching call (recv from us for our send, and the other way round). */
+static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
+                                const ddp_coll_xchg *x, const ddp_coll_xres *r) {
+    ddp_coll_hdr first, h;
+    ddp_status st;
+    if (x->peer >= 0) {
+        if ((st = hdr_read(r, x->peer, &h)) != DDP_OK) return st;
+        ddp_coll_hdr want = *mine;
+        want.kind = mine->kind == DDP_COLL_SEND ? DDP_COLL_RECV : DDP_COLL_SEND;
+        want.root = g->rank;
+        want.seq = h.seq; /* send/recv do not advance the sequence */
+        return same_call(&want, &h) ? DDP_OK : mismatch(g->rank, mine, x->peer, &h);
+    }
+    for (int p = 0; p < g->size; p++) {
+        if (p == g->rank)
+            h = *mine;
+        else if ((st = hdr_read(r, p, &h)) != DDP_OK)
+            return st;
+        if (p == 0)
+            first = h;
+        else if (!same_call(&first, &h) || first.seq != h.seq)
+            return mismatch(0, &first, p, &h);
+    }
+    return DDP_OK;
+}
+
+/* ---- the exchange ----------------------------------------------------------- */
+
+ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll_xchg *x,
+                             ddp_wait w, ddp_coll_xres *res) {
+    const int n = g->size, me = g->rank;
+    const size_t hb = DDP_COLL_HDR_BYTES;
+    const int per_dest = x->sbytes > 0 && x->sstride > 0;
+    const size_t stage_len = ddp_coll_align(hb + x->sbytes);
+    const size_t slot_len = ddp_coll_align(hb + x->rbytes);
+    /* scratch: transfers | outgoing message(s) | one incoming slot per rank | extra */
+    const size_t off_stage = ddp_coll_align(2 * (size_t)n * sizeof(ddp_xfer));
+    const size_t off_slots = off_stage + (per_dest ? (size_t)n : 1) * stage_len;
+    const size_t off_extra = off_slots + (size_t)n * slot_len;
+    void *mem;
+    ddp_status st = ddp_coll_scratch(g, off_extra + x->extra, &mem);
+    if (st != DDP_OK) return st;
+    unsigned char *base = mem, *stage = base + off_stage;
+    ddp_xfer *ops = mem;
+    res->slots = base + off_slots;
+    res->slot_len = slot_len;
+    res->extra = base + off_extra;
+    res->own = per_dest || x->sbytes == 0 ? NULL : stage + hb;
+
+    if (!per_dest) { /* one message for every destination */
+        hdr_encode(h, stage);
+        if (x->sbytes > 0) memcpy(stage + hb, x->sbase, x->sbytes);
+    }
+    int nops = 0;
+    for (int p = 0; p < n; p++) {
+        if (p == me || (x->peer >= 0 && p != x->peer)) continue;
+        unsigned char *msg = per_dest ? stage + (size_t)p * stage_len : stage;
+        size_t sbytes = x->sto < 0 || x->sto == p ? x->sbytes : 0;
+        size_t rbytes = x->rfrom < 0 || x->rfrom == p ? x->rbytes : 0;
+        if (per_dest) {
+            hdr_encode(h, msg);
+            memcpy(msg + hb, (const char *)x->sbase + (size_t)p * x->sstride, x->sbytes);
+        }
+        ops[nops++] = (ddp_xfer){.link = g->links[p], .send = 1, .src = msg,
+                                 .len = hb + sbytes, .want = 0};
+        ops[nops++] = (ddp_xfer){.link = g->links[p], .send = 0,
+                                 .dst = res->slots + (size_t)p * slot_len,
+                                 .len = hb + rbytes, .want = hb};
+    }
+
+    if ((st = ddp_link_xfer(ops, nops, w)) != DDP_OK) return st;
+    if ((st = check_headers(g, h, x, res)) != DDP_OK) return st;
+    for (int i = 0; i < nops; i++) ops[i].want = ops[i].len;
+    return ddp_link_xfer(ops, nops, w);
+}

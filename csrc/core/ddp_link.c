@@ -1,0 +1,183 @@
+/* ddp_link.c - the transport-neutral drivers of ddp_link.h: turn the
+ * transports' non-blocking send_some/recv_some into blocking transfers with
+ * a deadline and an abort flag, several links at once.
+ *
+ * One engine (ddp_link_xfer) serves every caller: a single send or receive,
+ * a ring step (send to the next rank while receiving from the previous one)
+ * and the full-mesh exchanges of the collectives. It tries every unfinished
+ * transfer, and only when none moved does it sleep in poll() on the links'
+ * descriptors (slices of at most ddp_wait_slice, so the abort flag is seen
+ * within 100 ms), or spin and yield for transports without a descriptor.
+ */
+#include "ddp_link.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Transfers up to this many poll from a stack array (no malloc per call). */
+#define STACK_FDS 16
+/* Idle rounds for descriptor-less links: pause, then yield, then sleep. */
+#define SPIN_PAUSE_ROUNDS 64
+#define SPIN_YIELD_ROUNDS 4096
+#define SPIN_SLEEP_NS 50000
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Back off one idle round for links that can only be polled by spinning:
+ * spin briefly (a shared-memory peer usually answers within microseconds),
+ * then yield the core, then sleep so a long wait does not burn a CPU. */
+static void spin_backoff(unsigned *idle) {
+    unsigned n = (*idle)++;
+    if (n < SPIN_PAUSE_ROUNDS) {
+        cpu_relax();
+    } else if (n < SPIN_YIELD_ROUNDS) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, SPIN_SLEEP_NS};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static const char *direction(const ddp_xfer *t) {
+    return t->send ? "sending to" : "receiving from";
+}
+
+/* One non-blocking attempt on t. Sets *moved if bytes moved. On failure the
+ * message is prefixed with the direction, the peer and the progress. */
+static ddp_status xfer_try(ddp_xfer *t, int *moved) {
+    ddp_link *l = t->link;
+    size_t before = t->done;
+    ddp_status st = t->send ? l->ops->send_some(l, t->src, t->len, &t->done)
+                            : l->ops->recv_some(l, t->dst, t->len, &t->done);
+    if (t->done != before) *moved = 1;
+    if (st != DDP_OK)
+        ddp_error_prefix(st, "%s %s (%zu of %zu bytes done): ", direction(t), l->desc,
+                         t->done, t->len);
+    return st;
+}
+
+/* Sleep until some unfinished transfer's link is ready or a slice passes. */
+static ddp_status xfer_wait(ddp_xfer *x, int n, struct pollfd *fds, ddp_wait w,
+                            unsigned *idle) {
+    int nfds = 0, spin = 0;
+    for (int i = 0; i < n; i++) {
+        if (x[i].parked || x[i].done >= x[i].len) continue;
+        int fd = x[i].link->ops->wait_fd(x[i].link);
+        if (fd < 0) {
+            spin = 1;
+            continue;
+        }
+        fds[nfds].fd = fd;
+        fds[nfds].events = x[i].send ? POLLOUT : POLLIN;
+        fds[nfds].revents = 0;
+        nfds++;
+    }
+    if (spin) {
+        /* Descriptor links are retried on the next round anyway. */
+        spin_backoff(idle);
+        return DDP_OK;
+    }
+    if (poll(fds, (nfds_t)nfds, ddp_wait_slice(w)) < 0 && errno != EINTR)
+        return ddp_error(DDP_ERR_SYS, "poll() on %d links failed: %s", nfds, strerror(errno));
+    return DDP_OK;
+}
+
+static ddp_status xfer_stuck(ddp_status st, const ddp_xfer *t, int64_t start) {
+    const char *peer = t->link->desc;
+    if (st == DDP_ERR_ABORTED)
+        return ddp_error(st, "aborted while %s %s (%zu of %zu bytes done)", direction(t), peer,
+                         t->done, t->len);
+    return ddp_error(st, "timed out after %lld ms %s %s (%zu of %zu bytes done); check that "
+                     "%s is alive and made the same call, or raise the timeout",
+                     (long long)(ddp_now_ms() - start), direction(t), peer, t->done, t->len,
+                     peer);
+}
+
+ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
+    struct pollfd stack_fds[STACK_FDS];
+    struct pollfd *fds = stack_fds;
+    const int64_t start = ddp_now_ms();
+    unsigned idle = 0;
+    ddp_status st = DDP_OK;
+
+    if (n > STACK_FDS && !(fds = malloc((size_t)n * sizeof *fds)))
+        return ddp_error(DDP_ERR_NOMEM, "out of memory polling %d links", n);
+    for (;;) {
+        int moved = 0;
+        for (int i = 0; i < n; i++) {
+            ddp_xfer *t = &x[i];
+            if (t->parked) {
+                if (t->done >= t->want) continue;
+                t->parked = 0; /* needed now: retrying reports the failure afresh */
+            }
+            if (t->done >= t->len) continue;
+            st = xfer_try(t, &moved);
+            if (st == DDP_OK) continue;
+            if (t->done < t->want) goto out;
+            /* Failed after giving this call what it wanted (e.g. a peer that
+             * sent its header and closed): let the other transfers finish so
+             * the caller can inspect what arrived. */
+            t->parked = 1;
+            st = DDP_OK;
+        }
+        const ddp_xfer *unmet = NULL;
+        for (int i = 0; i < n && !unmet; i++)
+            if (x[i].done < x[i].want) unmet = &x[i];
+        if (!unmet) goto out;
+        if (ddp_wait_aborted(w)) {
+            st = xfer_stuck(DDP_ERR_ABORTED, unmet, start);
+            goto out;
+        }
+        if (ddp_wait_expired(w)) {
+            st = xfer_stuck(DDP_ERR_TIMEOUT, unmet, start);
+            goto out;
+        }
+        if (moved) {
+            idle = 0;
+            continue;
+        }
+        if ((st = xfer_wait(x, n, fds, w, &idle)) != DDP_OK) goto out;
+    }
+out:
+    if (fds != stack_fds) free(fds);
+    return st;
+}
+
+ddp_status ddp_link_sendrecv(ddp_link *sl, const void *sbuf, size_t sn, ddp_link *rl,
+                             void *rbuf, size_t rn, ddp_wait w) {
+    ddp_xfer x[2];
+    int n = 0;
+    if (sn > 0)
+        x[n++] = (ddp_xfer){.link = sl, .send = 1, .src = sbuf, .len = sn, .want = sn};
+    if (rn > 0)
+        x[n++] = (ddp_xfer){.link = rl, .send = 0, .dst = rbuf, .len = rn, .want = rn};
+    return ddp_link_xfer(x, n, w);
+}
+
+ddp_status ddp_link_send(ddp_link *l, const void *buf, size_t n, ddp_wait w) {
+    return ddp_link_sendrecv(l, buf, n, NULL, NULL, 0, w);
+}
+
+ddp_status ddp_link_recv(ddp_link *l, void *buf, size_t n, ddp_wait w) {
+    return ddp_link_sendrecv(NULL, NULL, 0, l, buf, n, w);
+}
+
+void ddp_link_shutdown(ddp_link *l) {
+    if (l) l->ops->shutdown(l);
+}
+
+void ddp_link_free(ddp_link *l) {
+    if (!l) return;
+    l->ops->destroy(l);
+    free(l);
+}
