@@ -33,6 +33,16 @@ static void expect_value(ddp_store *s, const char *key, const char *want) {
     free(v);
 }
 
+/* COMPARE_SET key and compare the returned value with want. */
+static void expect_cas(ddp_store *s, const char *key, const char *expected,
+                       const char *desired, const char *want) {
+    void *v;
+    size_t vl;
+    T_OK(ddp_store_compare_set(s, K(key), K(expected), K(desired), &v, &vl, W(5000)));
+    T_ASSERT(vl == strlen(want) && memcmp(v, want, vl) == 0);
+    free(v);
+}
+
 static void test_basic_ops(void) {
     ddp_store *s = client();
     T_ASSERT(strstr(ddp_store_peer(s), "127.0.0.1:") != NULL);
@@ -63,24 +73,14 @@ static void test_basic_ops(void) {
     T_ASSERT(ready == 0);
     T_OK(ddp_store_wait(s, keys, kl, 2, W(5000)));
 
-    void *v;
-    size_t vl;
     /* absent, expected empty: stores desired */
-    T_OK(ddp_store_compare_set(s, K("/cs"), "", 0, "x", 1, &v, &vl, W(5000)));
-    T_ASSERT(vl == 1 && memcmp(v, "x", 1) == 0);
-    free(v);
+    expect_cas(s, "/cs", "", "x", "x");
     /* present, mismatch: unchanged, returns current */
-    T_OK(ddp_store_compare_set(s, K("/cs"), "y", 1, "z", 1, &v, &vl, W(5000)));
-    T_ASSERT(vl == 1 && memcmp(v, "x", 1) == 0);
-    free(v);
+    expect_cas(s, "/cs", "y", "z", "x");
     /* present, match: swapped */
-    T_OK(ddp_store_compare_set(s, K("/cs"), "x", 1, "zz", 2, &v, &vl, W(5000)));
-    T_ASSERT(vl == 2 && memcmp(v, "zz", 2) == 0);
-    free(v);
+    expect_cas(s, "/cs", "x", "zz", "zz");
     /* absent, expected non-empty: returns expected, stores nothing */
-    T_OK(ddp_store_compare_set(s, K("/cs2"), "e", 1, "d", 1, &v, &vl, W(5000)));
-    T_ASSERT(vl == 1 && memcmp(v, "e", 1) == 0);
-    free(v);
+    expect_cas(s, "/cs2", "e", "d", "e");
     T_OK(ddp_store_check(s, (const char *[]){"/cs2"}, (size_t[]){4}, 1, &ready, W(5000)));
     T_ASSERT(ready == 0);
 
@@ -96,6 +96,8 @@ static void test_basic_ops(void) {
     /* A value bigger than any socket buffer arrives in many pieces. */
     size_t big = (size_t)8 << 20;
     unsigned char *b = malloc(big);
+    void *v;
+    size_t vl;
     T_ASSERT(b);
     for (size_t i = 0; i < big; i++) b[i] = (unsigned char)(i * 2654435761u >> 13);
     T_OK(ddp_store_set(s, K("/big"), b, big, W(10000)));
@@ -205,49 +207,41 @@ static void expect_dropped(int fd) {
     close(fd);
 }
 
+/* Send req (then empty it) on a fresh connection, VALIDATEd first or not;
+ * the server must drop that connection. */
+static void expect_rejected(int validate, ddp_wbuf *req) {
+    int fd = raw_conn(validate);
+    raw_send(fd, req);
+    req->len = 0;
+    expect_dropped(fd);
+}
+
 static void test_server_survives_bad_clients(void) {
     ddp_wbuf b;
     ddp_wbuf_init(&b);
     /* 1. garbage instead of VALIDATE */
-    int fd = raw_conn(0);
     ddp_wbuf_raw(&b, "GET / HTTP/1.1\r\n\r\n", 18);
-    raw_send(fd, &b);
-    expect_dropped(fd);
+    expect_rejected(0, &b);
     /* 2. a real query without VALIDATE first */
-    fd = raw_conn(0);
-    b.len = 0;
     ddp_wbuf_u8(&b, DDP_Q_GETNUMKEYS);
-    raw_send(fd, &b);
-    expect_dropped(fd);
+    expect_rejected(0, &b);
     /* 3. wrong magic */
-    fd = raw_conn(0);
-    b.len = 0;
     ddp_wbuf_u8(&b, DDP_Q_VALIDATE);
     ddp_wbuf_u32(&b, 0xdeadbeefu);
-    raw_send(fd, &b);
-    expect_dropped(fd);
+    expect_rejected(0, &b);
     /* 4. unknown query */
-    fd = raw_conn(1);
-    b.len = 0;
     ddp_wbuf_u8(&b, 99);
-    raw_send(fd, &b);
-    expect_dropped(fd);
+    expect_rejected(1, &b);
     /* 5. absurd key length */
-    fd = raw_conn(1);
-    b.len = 0;
     ddp_wbuf_u8(&b, DDP_Q_SET);
     ddp_wbuf_u64(&b, (uint64_t)1 << 60);
-    raw_send(fd, &b);
-    expect_dropped(fd);
+    expect_rejected(1, &b);
     /* 6. absurd key count */
-    fd = raw_conn(1);
-    b.len = 0;
     ddp_wbuf_u8(&b, DDP_Q_WAIT);
     ddp_wbuf_u64(&b, UINT64_MAX);
-    raw_send(fd, &b);
-    expect_dropped(fd);
+    expect_rejected(1, &b);
     /* 7. truncated SET, then vanish */
-    fd = raw_conn(1);
+    int fd = raw_conn(1);
     b.len = 0;
     ddp_wbuf_u8(&b, DDP_Q_SET);
     ddp_wbuf_str(&b, "/trunc", 6);
