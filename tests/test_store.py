@@ -300,6 +300,13 @@ def test_server_survives_bad_clients():
             assert s.recv(4) == struct.pack("<I", 77)
             s.close()
 
+            # half-close after a request: the reply is still delivered
+            s = raw(port)
+            s.sendall(bytes([13]) + struct.pack("<I", 5))
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(4) == struct.pack("<I", 5)
+            s.close()
+
             master.set("orphan", "fine")
             assert master.get("orphan") == b"fine"
             assert master.check(["trunc"]) is False          # never half-applied

@@ -150,8 +150,10 @@ static void serve_round(ddp_store_server *srv) {
         short re = srv->pfds[i + 2].revents;
         int gone = 0;
         if (re & (POLLIN | POLLHUP | POLLERR)) gone = conn_read(c) < 0;
-        /* Requests that fully arrived before a disconnect still take effect. */
+        /* Requests that fully arrived before a disconnect still take effect,
+         * and a client that only half-closed still gets their replies. */
         if (conn_process(srv, c) < 0 || gone) c->dead = 1;
+        if (gone) conn_flush(c);
     }
     if (srv->pfds[1].revents) accept_new(srv);
     /* Flush everyone: a SET from one client may have woken another's WAIT. */

@@ -318,6 +318,8 @@ static void test_raw_protocol(void) {
     raw_send(fd, &b);
     ddp_store *s = client();
     T_OK(ddp_store_set(s, K("/race"), "1", 1, W(5000)));
+    int64_t nk;   /* a reply proves the server ran the SET (and the wake-up) */
+    T_OK(ddp_store_num_keys(s, &nk, W(5000)));
     ddp_store_close(s);
     b.len = 0;
     ddp_wbuf_u8(&b, DDP_Q_CANCEL_WAIT);
