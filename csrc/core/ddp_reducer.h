@@ -1,0 +1,188 @@
+/* ddp_reducer.h - gradient bucketing for data-parallel training.
+ *
+ * Three layers, each usable without the next:
+ *
+ * 1. Planning (ddp_reducer_plan.c). Parameters are described only by element
+ *    count, dtype and a device key, so the plan is the same for CPU arrays,
+ *    GPU arrays or anything else. Parameters are taken in the order their
+ *    gradients are expected to become ready (by default the reverse of
+ *    registration order; after the first iteration, the order observed on
+ *    rank 0) and packed into buckets of one (dtype, device) each. A bucket
+ *    closes once it holds at least its cap in bytes: the first bucket of
+ *    each (dtype, device) is capped at first_cap_bytes (1 MiB in DDP) so the
+ *    first all-reduce starts early, later ones at cap_bytes (bucket_cap_mb).
+ *    Buckets are numbered in the order their first member becomes ready, and
+ *    every rank computes the same plan from the same inputs.
+ *
+ * 2. Readiness bookkeeping (ddp_reducer.c). One synced iteration runs
+ *    begin -> mark_ready per parameter -> (launch buckets) -> end. A bucket
+ *    is launchable once all its parameters are ready AND every earlier bucket
+ *    was handed out, so all ranks launch their all-reduces in bucket order no
+ *    matter in which order gradients arrive. It also records the arrival
+ *    order (for the one-time rebuild) and which parameters were used since
+ *    the last synced iteration (for find_unused_parameters).
+ *
+ * 3. The data path for buffers the CPU can read and write
+ *    (ddp_reducer_data.c): copy each ready gradient into its bucket slot,
+ *    launch each launchable bucket's averaged all-reduce through a small ops
+ *    table (ddp_reducer_comm_ops queues it on a ddp_comm worker thread, so
+ *    communication overlaps the rest of backward), then at the end wait for
+ *    all of them and copy the averages back into the gradient arrays.
+ *
+ * Threads: a ddp_reducer is used by one thread at a time (the caller's; the
+ * Python layer holds the GIL or owns the object). Bucket buffers and
+ * gradient/copy-back pointers are borrowed: the caller keeps them alive and
+ * unmoved until the iteration that uses them has finished or been drained.
+ */
+#ifndef DDP_REDUCER_H
+#define DDP_REDUCER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ddp_clock.h"
+#include "ddp_comm.h"
+#include "ddp_dtype.h"
+#include "ddp_status.h"
+
+#define DDP_REDUCER_FIRST_BUCKET_BYTES ((size_t)1 << 20)
+
+/* ---- 1. planning ----------------------------------------------------- */
+
+typedef struct ddp_plan_param {
+    size_t numel;      /* elements */
+    ddp_dtype dtype;
+    int device;        /* opaque key: params on different devices never share a bucket */
+} ddp_plan_param;
+
+/* A bucket plan. All arrays are owned by the plan (ddp_plan_free). */
+typedef struct ddp_plan {
+    size_t nparams, nbuckets;
+    size_t *bucket_begin;    /* [nbuckets + 1]: bucket b holds members[begin[b] .. begin[b+1]) */
+    size_t *members;         /* [nparams]: parameter indices, bucket by bucket, ready order */
+    size_t *bucket_numel;    /* [nbuckets] elements */
+    ddp_dtype *bucket_dtype; /* [nbuckets] */
+    int *bucket_device;      /* [nbuckets] */
+    size_t *param_bucket;    /* [nparams]: the bucket of parameter i */
+    size_t *param_offset;    /* [nparams]: element offset of parameter i in its bucket */
+    size_t *param_numel;     /* [nparams]: elements of parameter i */
+} ddp_plan;
+
+/* Plan buckets for n parameters. order: the parameter indices in expected
+ * ready order (a permutation of 0..n-1), or NULL for n-1, n-2, ..., 0.
+ * Caps are in bytes and must be > 0. On failure (DDP_ERR_INVALID for a bad
+ * order, cap or dtype; DDP_ERR_NOMEM) *out is zeroed and owns nothing. */
+ddp_status ddp_plan_buckets(const ddp_plan_param *params, size_t n, const size_t *order,
+                            size_t first_cap_bytes, size_t cap_bytes, ddp_plan *out);
+
+/* Free a plan's arrays and zero it. Safe on a zeroed plan. */
+void ddp_plan_free(ddp_plan *p);
+
+/* ---- 2. readiness ---------------------------------------------------- */
+
+typedef struct ddp_reducer ddp_reducer;
+
+/* Take ownership of *plan (which is zeroed) and build a reducer for it.
+ * On failure the plan is freed and *out is NULL. */
+ddp_status ddp_reducer_create(ddp_plan *plan, ddp_reducer **out);
+
+/* Free everything. The caller drains first if work may be in flight
+ * (ddp_reducer_pending); NULL is a no-op. */
+void ddp_reducer_destroy(ddp_reducer *r);
+
+const ddp_plan *ddp_reducer_plan(const ddp_reducer *r);
+
+/* Start a synced iteration: no parameter ready, no bucket launched.
+ * DDP_ERR_INVALID if the previous iteration has not ended. */
+ddp_status ddp_reducer_begin(ddp_reducer *r);
+
+/* 1 between begin and end. */
+int ddp_reducer_in_iteration(const ddp_reducer *r);
+
+/* Mark parameter i ready (bookkeeping only). Returns in *first, *count the
+ * range of buckets that may now be launched, in order (count may be 0).
+ * DDP_ERR_INVALID, changing nothing, if i is out of range, no iteration is
+ * running, or i is already ready in this iteration. */
+ddp_status ddp_reducer_mark_ready(ddp_reducer *r, size_t i, size_t *first, size_t *count);
+
+/* Record that parameter i received a gradient (also outside synced
+ * iterations, e.g. under no_sync); cleared when a synced iteration ends. */
+void ddp_reducer_note_used(ddp_reducer *r, size_t i);
+
+/* The local use flags since the last synced iteration ended ([nparams]). */
+const int32_t *ddp_reducer_local_used(const ddp_reducer *r);
+
+/* Write up to cap indices of parameters not ready yet (registration order)
+ * to out; returns how many there are in total. */
+size_t ddp_reducer_unready(const ddp_reducer *r, size_t *out, size_t cap);
+
+/* Write the indices of parameters marked ready in this (or the last)
+ * iteration, in the order they were marked, to out (cap >= nparams);
+ * returns their number. */
+size_t ddp_reducer_arrival(const ddp_reducer *r, size_t *out, size_t cap);
+
+/* End the iteration (bookkeeping only): clears the local use flags. */
+void ddp_reducer_end(ddp_reducer *r);
+
+/* ---- 3. CPU data path ------------------------------------------------ */
+
+/* How the data path starts and finishes an in-place all-reduce. wait sets
+ * *done = 1 and returns the operation's status once it finished, or sets
+ * *done = 0 when w expired or was aborted first (the operation still runs).
+ * A launched handle is released exactly once, after it is done. */
+typedef struct ddp_reducer_ops {
+    ddp_status (*launch)(void *ctx, void *buf, size_t count, ddp_dtype t, ddp_redop op,
+                         void **handle);
+    ddp_status (*wait)(void *ctx, void *handle, ddp_wait w, int *done);
+    void (*release)(void *ctx, void *handle);
+} ddp_reducer_ops;
+
+/* Ops over a communicator: ctx is a ddp_comm*. */
+extern const ddp_reducer_ops ddp_reducer_comm_ops;
+
+/* Give the reducer its bucket buffers (bufs[b] holds bucket_numel[b]
+ * elements of bucket_dtype[b]; borrowed) and the ops that reduce them across
+ * world_size ranks. With world_size 1 the data path moves nothing: the
+ * average over one rank is the gradient itself. DDP_ERR_INVALID if an
+ * iteration is running or a buffer is NULL. */
+ddp_status ddp_reducer_attach(ddp_reducer *r, void *const *bufs, const ddp_reducer_ops *ops,
+                              void *ctx, int world_size);
+
+/* The address of parameter i's slot in its bucket (NULL before attach). */
+void *ddp_reducer_slot(const ddp_reducer *r, size_t i);
+
+/* Parameter i's gradient is ready: copy grad (numel elements of dtype t;
+ * NULL means zeros) into its slot unless it already is the slot, mark it
+ * ready, and launch every bucket that became launchable. copy_back: where
+ * finish writes the averaged gradient (NULL: nowhere; the slot itself: no
+ * copy needed). Wrong dtype or size gives DDP_ERR_TYPE / DDP_ERR_INVALID with
+ * nothing changed. A failed launch is returned and also remembered, so
+ * finish reports it too. */
+ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dtype t,
+                             size_t numel, void *copy_back);
+
+/* Number of launched all-reduces not yet waited for. */
+size_t ddp_reducer_pending(const ddp_reducer *r);
+
+/* Finish the iteration. Requires every parameter ready (DDP_ERR_INVALID
+ * otherwise, nothing changed). With track_used, the local use flags are
+ * all-reduced (sum) after the buckets when reduce_used is set, or the last
+ * reduced flags are reused when it is not (static graphs). Then waits, in
+ * bucket order, for every all-reduce; if w expires or is aborted first it
+ * returns DDP_ERR_TIMEOUT / DDP_ERR_ABORTED and may simply be called again.
+ * Once everything is done: if all succeeded, copies each average to its
+ * copy_back destination, skipping parameters that no rank used (when
+ * tracking use); ends the iteration either way and returns the first error,
+ * naming the bucket. */
+ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, int reduce_used, ddp_wait w);
+
+/* After a successful finish with track_used: how many ranks used parameter
+ * i ([nparams]; all 1 with world size 1). */
+const int32_t *ddp_reducer_global_used(const ddp_reducer *r);
+
+/* Wait for and release every launched all-reduce, ignoring their results,
+ * then end the iteration without copying anything back. For error paths:
+ * break the communicator first if peers may never join. Returns
+ * DDP_ERR_TIMEOUT / DDP_ERR_ABORTED (call again) if w ends first. */
+ddp_status ddp_reducer_drain(ddp_reducer *r, ddp_wait w);
+
+#endif
