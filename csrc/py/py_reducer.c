@@ -1,0 +1,452 @@
+/* py_reducer.c - pyddp._C.Reducer: the Python face of the gradient reducer
+ * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it.
+ *
+ * Reducer(params, first_cap_bytes, cap_bytes, order=None)
+ *     params: sequence of (numel, dtype name, device key); plans the buckets.
+ *   layout() -> (buckets, param_bucket, param_offset), buckets being
+ *     [(members, numel, dtype name, device key)], for allocating them.
+ *   Bookkeeping (both paths): begin(), mark_ready(i) -> (first, count),
+ *     note_used(i), unready(), arrival(), local_used(), end().
+ *   CPU data path: attach(pg, buckets) with a _C.ProcessGroup (or None for
+ *     one rank); ready(i, grad, copy_back); finish(track_used, reduce_used);
+ *     global_used(); drain().
+ *
+ * The Reducer holds references to the bucket arrays and to every gradient
+ * handed to ready() until the iteration's finish/drain, so the memory the
+ * communicator's worker thread reads and writes stays alive whatever the
+ * caller drops. Large gradient copies and every wait run with the GIL
+ * released; waits wake every 100 ms for Ctrl-C, which breaks the process
+ * group (so peers fail fast), waits for the in-flight all-reduces to let go
+ * of the buckets, and raises KeyboardInterrupt.
+ */
+#include "py_common.h"
+
+#include <string.h>
+#include "ddp_comm.h"
+#include "ddp_reducer.h"
+#include "py_array.h"
+
+/* Copies at least this large run with the GIL released. */
+#define RELEASE_GIL_BYTES (64 * 1024)
+
+typedef struct {
+    PyObject_HEAD
+    ddp_reducer *r;
+    PyObject *pg;           /* keeps the communicator alive; NULL when unattached */
+    ddp_comm *comm;
+    ddp_py_array *buckets;  /* [nbuckets] imported bucket arrays */
+    ddp_py_array *grads;    /* [nparams] gradients held for this iteration */
+} ReducerObject;
+
+static PyTypeObject *ReducerType;
+
+static int dtype_from_name(PyObject *name, ddp_dtype *out) {
+    const char *s = PyUnicode_AsUTF8(name);
+    if (s == NULL) return -1;
+    for (int t = 0; t < DDP_DTYPE_COUNT; t++)
+        if (strcmp(s, ddp_dtype_name((ddp_dtype)t)) == 0) {
+            *out = (ddp_dtype)t;
+            return 0;
+        }
+    PyErr_Format(PyExc_TypeError, "DDP: unsupported parameter dtype %R", name);
+    return -1;
+}
+
+/* Read a sequence of Python ints into a new size_t array (PyMem). */
+static size_t *size_array(PyObject *seq, size_t n, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL) return NULL;
+    if ((size_t)PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zu", what,
+                     PySequence_Fast_GET_SIZE(fast), n);
+        Py_DECREF(fast);
+        return NULL;
+    }
+    size_t *out = PyMem_Calloc(n ? n : 1, sizeof *out);
+    for (size_t i = 0; out && i < n; i++) {
+        out[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)i));
+        if (out[i] == (size_t)-1 && PyErr_Occurred()) {
+            PyMem_Free(out);
+            out = NULL;
+        }
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"params", "first_cap_bytes", "cap_bytes", "order", NULL};
+    PyObject *params, *order_obj = Py_None;
+    Py_ssize_t first_cap, cap;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Onn|O", kwlist, &params, &first_cap, &cap,
+                                     &order_obj))
+        return NULL;
+    if (first_cap <= 0 || cap <= 0)
+        return ddp_py_raise(DDP_ERR_INVALID, "bucket caps must be positive: check that "
+                            "bucket_cap_mb > 0");
+    PyObject *fast = PySequence_Fast(params, "params must be a sequence");
+    if (fast == NULL) return NULL;
+    size_t n = (size_t)PySequence_Fast_GET_SIZE(fast);
+    ddp_plan_param *ps = PyMem_Calloc(n ? n : 1, sizeof *ps);
+    size_t *order = NULL;
+    ReducerObject *self = NULL;
+    if (ps == NULL) { PyErr_NoMemory(); goto done; }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *name;
+        Py_ssize_t numel;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)i), "nOi;params "
+                              "entries are (numel, dtype name, device key)", &numel, &name,
+                              &ps[i].device) ||
+            dtype_from_name(name, &ps[i].dtype) < 0)
+            goto done;
+        ps[i].numel = (size_t)numel;
+    }
+    if (order_obj != Py_None && (order = size_array(order_obj, n, "order")) == NULL) goto done;
+    ddp_plan plan;
+    ddp_status st = ddp_plan_buckets(ps, n, order, (size_t)first_cap, (size_t)cap, &plan);
+    if (st != DDP_OK) { ddp_py_raise(st, NULL); goto done; }
+    self = (ReducerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) { ddp_plan_free(&plan); goto done; }
+    st = ddp_reducer_create(&plan, &self->r);
+    self->grads = PyMem_Calloc(n ? n : 1, sizeof *self->grads);
+    if (st != DDP_OK || self->grads == NULL) {
+        if (st != DDP_OK) ddp_py_raise(st, NULL); else PyErr_NoMemory();
+        Py_CLEAR(self);
+    }
+done:
+    PyMem_Free(ps);
+    PyMem_Free(order);
+    Py_DECREF(fast);
+    return (PyObject *)self;
+}
+
+/* Drop the gradients held for the iteration. */
+static void release_grads(ReducerObject *self) {
+    size_t n = ddp_reducer_plan(self->r)->nparams;
+    for (size_t i = 0; i < n; i++) ddp_py_array_release(&self->grads[i]);
+}
+
+/* Wait, with the GIL released, until every launched all-reduce finished. */
+static void drain_blocking(ReducerObject *self) {
+    if (self->r == NULL || ddp_reducer_pending(self->r) == 0) {
+        if (self->r) ddp_reducer_drain(self->r, ddp_wait_for(0, NULL));
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    while (ddp_reducer_drain(self->r, ddp_wait_for(1000, NULL)) != DDP_OK) {
+    }
+    Py_END_ALLOW_THREADS
+}
+
+static void release_buckets(ReducerObject *self) {
+    if (self->buckets == NULL) return;
+    size_t nb = ddp_reducer_plan(self->r)->nbuckets;
+    for (size_t b = 0; b < nb; b++) ddp_py_array_release(&self->buckets[b]);
+    PyMem_Free(self->buckets);
+    self->buckets = NULL;
+}
+
+static void reducer_dealloc(ReducerObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->r) {
+        drain_blocking(self);   /* the worker may still use the buckets */
+        release_grads(self);
+        release_buckets(self);
+        ddp_reducer_destroy(self->r);
+    }
+    PyMem_Free(self->grads);
+    Py_XDECREF(self->pg);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *size_list(const size_t *v, size_t n) {
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; l && i < n; i++) {
+        PyObject *x = PyLong_FromSize_t(v[i]);
+        if (x == NULL) { Py_CLEAR(l); break; }
+        PyList_SET_ITEM(l, (Py_ssize_t)i, x);
+    }
+    return l;
+}
+
+static PyObject *int32_list(const int32_t *v, size_t n) {
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; l && i < n; i++) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (x == NULL) { Py_CLEAR(l); break; }
+        PyList_SET_ITEM(l, (Py_ssize_t)i, x);
+    }
+    return l;
+}
+
+static PyObject *reducer_layout(ReducerObject *self, PyObject *unused) {
+    const ddp_plan *p = ddp_reducer_plan(self->r);
+    PyObject *buckets = PyList_New((Py_ssize_t)p->nbuckets);
+    for (size_t b = 0; buckets && b < p->nbuckets; b++) {
+        PyObject *members = size_list(p->members + p->bucket_begin[b],
+                                      p->bucket_begin[b + 1] - p->bucket_begin[b]);
+        PyObject *t = members ? Py_BuildValue("(Nnsi)", members, (Py_ssize_t)p->bucket_numel[b],
+                                              ddp_dtype_name(p->bucket_dtype[b]),
+                                              p->bucket_device[b]) : NULL;
+        if (t == NULL) { Py_CLEAR(buckets); break; }
+        PyList_SET_ITEM(buckets, (Py_ssize_t)b, t);
+    }
+    if (buckets == NULL) return NULL;
+    return Py_BuildValue("(NNN)", buckets, size_list(p->param_bucket, p->nparams),
+                         size_list(p->param_offset, p->nparams));
+}
+
+static PyObject *check_status(ddp_status st) {
+    if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_begin(ReducerObject *self, PyObject *unused) {
+    return check_status(ddp_reducer_begin(self->r));
+}
+
+static PyObject *reducer_end(ReducerObject *self, PyObject *unused) {
+    ddp_reducer_end(self->r);
+    Py_RETURN_NONE;
+}
+
+static int param_index(ReducerObject *self, PyObject *arg, size_t *i) {
+    *i = PyLong_AsSize_t(arg);
+    if (*i == (size_t)-1 && PyErr_Occurred()) return -1;
+    if (*i >= ddp_reducer_plan(self->r)->nparams) {
+        PyErr_Format(PyExc_IndexError, "parameter index %zu out of range", *i);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *reducer_mark_ready(ReducerObject *self, PyObject *arg) {
+    size_t i, first, count;
+    if (param_index(self, arg, &i) < 0) return NULL;
+    ddp_status st = ddp_reducer_mark_ready(self->r, i, &first, &count);
+    if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    return Py_BuildValue("(nn)", (Py_ssize_t)first, (Py_ssize_t)count);
+}
+
+static PyObject *reducer_note_used(ReducerObject *self, PyObject *arg) {
+    size_t i;
+    if (param_index(self, arg, &i) < 0) return NULL;
+    ddp_reducer_note_used(self->r, i);
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_unready(ReducerObject *self, PyObject *unused) {
+    size_t n = ddp_reducer_plan(self->r)->nparams;
+    size_t *idx = PyMem_Malloc((n ? n : 1) * sizeof *idx);
+    if (idx == NULL) return PyErr_NoMemory();
+    size_t k = ddp_reducer_unready(self->r, idx, n);
+    PyObject *l = size_list(idx, k);
+    PyMem_Free(idx);
+    return l;
+}
+
+static PyObject *reducer_arrival(ReducerObject *self, PyObject *unused) {
+    size_t n = ddp_reducer_plan(self->r)->nparams;
+    size_t *idx = PyMem_Malloc((n ? n : 1) * sizeof *idx);
+    if (idx == NULL) return PyErr_NoMemory();
+    size_t k = ddp_reducer_arrival(self->r, idx, n);
+    PyObject *l = size_list(idx, k);
+    PyMem_Free(idx);
+    return l;
+}
+
+static PyObject *reducer_local_used(ReducerObject *self, PyObject *unused) {
+    return int32_list(ddp_reducer_local_used(self->r), ddp_reducer_plan(self->r)->nparams);
+}
+
+static PyObject *reducer_global_used(ReducerObject *self, PyObject *unused) {
+    return int32_list(ddp_reducer_global_used(self->r), ddp_reducer_plan(self->r)->nparams);
+}
+
+/* ---- CPU data path ---------------------------------------------------- */
+
+static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
+    PyObject *pg, *arrays;
+    if (!PyArg_ParseTuple(args, "OO", &pg, &arrays)) return NULL;
+    if (ddp_reducer_in_iteration(self->r) || self->buckets != NULL)
+        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: already attached");
+    ddp_comm *comm = NULL;
+    int world = 1;
+    if (pg != Py_None) {
+        if ((comm = ddp_py_pg_comm(pg)) == NULL) return NULL;
+        world = ddp_comm_size(comm);
+    }
+    const ddp_plan *p = ddp_reducer_plan(self->r);
+    PyObject *fast = PySequence_Fast(arrays, "buckets must be a sequence of arrays");
+    if (fast == NULL) return NULL;
+    if ((size_t)PySequence_Fast_GET_SIZE(fast) != p->nbuckets) {
+        Py_DECREF(fast);
+        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: wrong number of bucket arrays");
+    }
+    ddp_py_array *bk = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *bk);
+    void **ptrs = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *ptrs);
+    int ok = bk != NULL && ptrs != NULL;
+    if (!ok) PyErr_NoMemory();
+    for (size_t b = 0; ok && b < p->nbuckets; b++) {
+        ok = ddp_py_array_import(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)b), 1, "bucket",
+                                 &bk[b]) == 0;
+        if (ok && (bk[b].device != DDP_DEV_CPU || bk[b].dtype != p->bucket_dtype[b] ||
+                   bk[b].count != p->bucket_numel[b])) {
+            ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: a bucket array does not match the "
+                         "plan (CPU memory, dtype and element count)");
+            ok = 0;
+        }
+        if (ok) ptrs[b] = bk[b].ptr;
+    }
+    Py_DECREF(fast);
+    ddp_status st = ok ? ddp_reducer_attach(self->r, ptrs, &ddp_reducer_comm_ops, comm, world)
+                       : DDP_OK;
+    PyMem_Free(ptrs);
+    if (!ok || st != DDP_OK) {
+        for (size_t b = 0; bk && b < p->nbuckets; b++) ddp_py_array_release(&bk[b]);
+        PyMem_Free(bk);
+        return ok ? ddp_py_raise(st, NULL) : NULL;
+    }
+    self->buckets = bk;
+    self->comm = comm;
+    Py_XINCREF(pg == Py_None ? NULL : pg);
+    self->pg = pg == Py_None ? NULL : pg;
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
+    PyObject *idx, *grad;
+    int copy_back;
+    if (!PyArg_ParseTuple(args, "OOp", &idx, &grad, &copy_back)) return NULL;
+    size_t i;
+    if (param_index(self, idx, &i) < 0) return NULL;
+    if (self->buckets == NULL)
+        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: no buckets attached");
+    ddp_py_array g;
+    memset(&g, 0, sizeof g);
+    if (grad != Py_None) {
+        if (ddp_py_array_import(grad, copy_back, "gradient", &g) < 0) return NULL;
+        if (g.device != DDP_DEV_CPU) {
+            ddp_py_array_release(&g);
+            return ddp_py_raise(DDP_ERR_TYPE, "DDP: a gradient is on a GPU but the CPU "
+                                "reducer is in use");
+        }
+    }
+    size_t bytes = g.count * ddp_dtype_size(g.dtype);
+    ddp_status st;
+    if (bytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        st = ddp_reducer_ready(self->r, i, g.ptr, g.dtype, g.count, copy_back ? g.ptr : NULL);
+        Py_END_ALLOW_THREADS
+    } else {
+        st = ddp_reducer_ready(self->r, i, g.ptr, g.dtype, g.count, copy_back ? g.ptr : NULL);
+    }
+    /* Keep the gradient alive until finish when the average lands in it
+     * (marked ready means it was accepted, even if a launch then failed). */
+    if (copy_back && g.owner != NULL && ddp_reducer_slot(self->r, i) != g.ptr &&
+        st != DDP_ERR_TYPE && st != DDP_ERR_INVALID) {
+        ddp_py_array_release(&self->grads[i]);
+        self->grads[i] = g;
+    } else {
+        ddp_py_array_release(&g);
+    }
+    return check_status(st);
+}
+
+static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
+    int track_used, reduce_used;
+    if (!PyArg_ParseTuple(args, "pp", &track_used, &reduce_used)) return NULL;
+    if (self->buckets == NULL)
+        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.finish: no buckets attached");
+    ddp_status st;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        st = ddp_reducer_finish(self->r, track_used, reduce_used, ddp_wait_for(100, NULL));
+        Py_END_ALLOW_THREADS
+        if (st != DDP_ERR_TIMEOUT || !ddp_reducer_in_iteration(self->r) ||
+            ddp_reducer_pending(self->r) == 0)
+            break;
+        if (PyErr_CheckSignals() < 0) {
+            /* Ctrl-C: break the group so our all-reduces (and the peers'
+             * waits on us) end now, then let go of everything. */
+            if (self->comm) ddp_comm_abort(self->comm, "interrupted (Ctrl-C) during the DDP "
+                                           "gradient all-reduce");
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            drain_blocking(self);
+            release_grads(self);
+            PyErr_Restore(et, ev, tb);
+            return NULL;
+        }
+    }
+    if (st == DDP_OK || !ddp_reducer_in_iteration(self->r)) release_grads(self);
+    return check_status(st);
+}
+
+static PyObject *reducer_drain(ReducerObject *self, PyObject *unused) {
+    drain_blocking(self);
+    release_grads(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_get_in_iteration(ReducerObject *self, void *c) {
+    return PyBool_FromLong(ddp_reducer_in_iteration(self->r));
+}
+
+static PyObject *reducer_get_pending(ReducerObject *self, void *c) {
+    return PyLong_FromSize_t(ddp_reducer_pending(self->r));
+}
+
+static PyObject *reducer_get_nbuckets(ReducerObject *self, void *c) {
+    return PyLong_FromSize_t(ddp_reducer_plan(self->r)->nbuckets);
+}
+
+static PyMethodDef reducer_methods[] = {
+    {"layout", (PyCFunction)reducer_layout, METH_NOARGS,
+     "layout() -> ([(members, numel, dtype, device)], param_bucket, param_offset)"},
+    {"begin", (PyCFunction)reducer_begin, METH_NOARGS, "start a synced iteration"},
+    {"end", (PyCFunction)reducer_end, METH_NOARGS, "end the iteration (bookkeeping only)"},
+    {"mark_ready", (PyCFunction)reducer_mark_ready, METH_O,
+     "mark_ready(i) -> (first, count): buckets that may now be launched"},
+    {"note_used", (PyCFunction)reducer_note_used, METH_O, "note_used(i)"},
+    {"unready", (PyCFunction)reducer_unready, METH_NOARGS, "parameters not ready yet"},
+    {"arrival", (PyCFunction)reducer_arrival, METH_NOARGS, "ready order of this iteration"},
+    {"local_used", (PyCFunction)reducer_local_used, METH_NOARGS, "local use flags"},
+    {"global_used", (PyCFunction)reducer_global_used, METH_NOARGS, "reduced use counts"},
+    {"attach", (PyCFunction)reducer_attach, METH_VARARGS, "attach(pg_or_None, buckets)"},
+    {"ready", (PyCFunction)reducer_ready, METH_VARARGS,
+     "ready(i, grad_or_None, copy_back): copy into the bucket, launch full buckets"},
+    {"finish", (PyCFunction)reducer_finish, METH_VARARGS,
+     "finish(track_used, reduce_used): wait for every bucket, copy averages back"},
+    {"drain", (PyCFunction)reducer_drain, METH_NOARGS,
+     "wait for in-flight all-reduces and end the iteration without copying back"},
+    {NULL}
+};
+
+static PyGetSetDef reducer_getset[] = {
+    {"in_iteration", (getter)reducer_get_in_iteration, NULL, "between begin and end", NULL},
+    {"pending", (getter)reducer_get_pending, NULL, "all-reduces in flight", NULL},
+    {"nbuckets", (getter)reducer_get_nbuckets, NULL, "number of buckets", NULL},
+    {NULL}
+};
+
+static PyType_Slot reducer_slots[] = {
+    {Py_tp_new, reducer_new},
+    {Py_tp_dealloc, reducer_dealloc},
+    {Py_tp_methods, reducer_methods},
+    {Py_tp_getset, reducer_getset},
+    {Py_tp_doc, "Gradient bucketing and averaged all-reduce for DDP."},
+    {0, NULL}
+};
+
+static PyType_Spec reducer_spec = {"pyddp._C.Reducer", sizeof(ReducerObject), 0,
+                                   Py_TPFLAGS_DEFAULT, reducer_slots};
+
+int ddp_py_reducer_register(PyObject *m) {
+    ReducerType = (PyTypeObject *)PyType_FromSpec(&reducer_spec);
+    if (ReducerType == NULL) return -1;
+    if (PyModule_AddObjectRef(m, "Reducer", (PyObject *)ReducerType) < 0) return -1;
+    return PyModule_AddIntConstant(m, "REDUCER_FIRST_BUCKET_BYTES",
+                                   (long)DDP_REDUCER_FIRST_BUCKET_BYTES);
+}
