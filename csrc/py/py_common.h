@@ -41,5 +41,6 @@ int ddp_py_store_register(PyObject *m);
 int ddp_py_pg_register(PyObject *m);
 int ddp_py_net_register(PyObject *m);
 int ddp_py_reducer_register(PyObject *m);
+int ddp_py_nccl_register(PyObject *m);
 
 #endif

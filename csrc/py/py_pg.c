@@ -154,9 +154,10 @@ static int bad(const char *fmt, ...) {
 }
 
 /* Fill the core arguments from the imported arrays, checking that sizes and
- * dtypes agree with the kind's conventions (ddp_coll.h). */
-static int fill_args(int kind, int size, int rank, int root, ddp_py_array *a,
-                     ddp_py_array *b, ddp_coll_args *ca) {
+ * dtypes agree with the kind's conventions (ddp_coll.h). Shared with the
+ * NCCL process group (py_nccl.c); declared in py_array.h. */
+int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *a,
+                          ddp_py_array *b, ddp_coll_args *ca) {
     const char *nm = ddp_coll_name((ddp_coll_kind)kind);
     int need_a = kind != DDP_COLL_BARRIER && !(kind == DDP_COLL_SCATTER && rank != root);
     int need_b = kind == DDP_COLL_ALLGATHER || kind == DDP_COLL_REDUCE_SCATTER ||
@@ -233,7 +234,7 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     int size = ddp_comm_size(self->comm), rank = ddp_comm_rank(self->comm);
     if (import_opt(ao, writable_a, "input", &w->a) < 0 ||
         import_opt(bo, 1, "output", &w->b) < 0 ||
-        fill_args(kind, size, rank, root, &w->a, &w->b, &ca) < 0) {
+        ddp_py_coll_args_fill(kind, size, rank, root, &w->a, &w->b, &ca) < 0) {
         w->finished = 1;
         Py_DECREF(w);
         return NULL;

@@ -1,0 +1,332 @@
+/* ddp_nccl_coll.c - issuing collectives on the NCCL communicator: the
+ * dtype/op tables, argument checks, the per-kind NCCL calls, producer
+ * ordering, and host staging (contract in ddp_nccl_comm.h).
+ *
+ * NCCL has every kind of ddp_coll.h natively except gather and scatter on
+ * older releases, which are built from grouped send/recv (the root copies
+ * its own block locally). Barrier is a one-byte all-reduce on the
+ * communicator's scratch buffer, completed before wait() returns.
+ */
+#include "ddp_nccl_internal.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* ncclDataType_t for each ddp_dtype (bool travels as uint8, as in torch). */
+static const int NC_TYPE[DDP_DTYPE_COUNT] = {
+    [DDP_FLOAT16] = DDP_NC_FLOAT16, [DDP_BFLOAT16] = DDP_NC_BFLOAT16,
+    [DDP_FLOAT32] = DDP_NC_FLOAT32, [DDP_FLOAT64] = DDP_NC_FLOAT64,
+    [DDP_INT8] = DDP_NC_INT8, [DDP_UINT8] = DDP_NC_UINT8,
+    [DDP_INT32] = DDP_NC_INT32, [DDP_INT64] = DDP_NC_INT64, [DDP_BOOL] = DDP_NC_UINT8,
+};
+
+/* ncclRedOp_t for each ddp_redop; AVG is NCCL's own ncclAvg. */
+static const int NC_OP[DDP_REDOP_COUNT] = {
+    [DDP_SUM] = DDP_NC_SUM, [DDP_AVG] = DDP_NC_AVG, [DDP_MIN] = DDP_NC_MIN,
+    [DDP_MAX] = DDP_NC_MAX, [DDP_PRODUCT] = DDP_NC_PROD,
+};
+
+ddp_status ddp_nccl_map(ddp_dtype t, ddp_redop op, int *nc_type, int *nc_op) {
+    if ((unsigned)t >= DDP_DTYPE_COUNT)
+        return ddp_error(DDP_ERR_TYPE, "NCCL: unknown dtype %d", (int)t);
+    if ((unsigned)op >= DDP_REDOP_COUNT)
+        return ddp_error(DDP_ERR_INVALID, "NCCL: unknown reduce op %d", (int)op);
+    *nc_type = NC_TYPE[t];
+    if (nc_op == NULL) return DDP_OK;
+    int o = NC_OP[op];
+    if (t == DDP_BOOL) {
+        /* On 0/1 bytes MAX is logical or and MIN logical and, without the
+         * wrap-around a uint8 SUM would have past 255 ranks. */
+        if (op == DDP_AVG)
+            return ddp_error(DDP_ERR_TYPE, "AVG is not defined for bool arrays on the NCCL "
+                             "backend; convert to a float dtype first");
+        if (op == DDP_SUM) o = DDP_NC_MAX;
+        if (op == DDP_PRODUCT) o = DDP_NC_MIN;
+    }
+    *nc_op = o;
+    return DDP_OK;
+}
+
+static int is_reduction(ddp_coll_kind k) {
+    return k == DDP_COLL_ALLREDUCE || k == DDP_COLL_REDUCE || k == DDP_COLL_REDUCE_SCATTER;
+}
+
+static int has_root(ddp_coll_kind k) {
+    return k == DDP_COLL_BROADCAST || k == DDP_COLL_REDUCE || k == DDP_COLL_GATHER ||
+           k == DDP_COLL_SCATTER || k == DDP_COLL_SEND || k == DDP_COLL_RECV;
+}
+
+ddp_status ddp_nccl_validate(const ddp_nccl_comm *c, const ddp_coll_args *a) {
+    if (a->kind < DDP_COLL_ALLREDUCE || a->kind > DDP_COLL_BARRIER)
+        return ddp_error(DDP_ERR_INVALID, "unknown collective kind %d", (int)a->kind);
+    const char *nm = ddp_coll_name(a->kind);
+    const char *who = (a->kind == DDP_COLL_SEND || a->kind == DDP_COLL_RECV) ? "peer" : "root";
+    if (has_root(a->kind) && (a->root < 0 || a->root >= c->size))
+        return ddp_error(DDP_ERR_INVALID, "%s: %s %d is out of range for world size %d", nm, who,
+                         a->root, c->size);
+    if ((a->kind == DDP_COLL_SEND || a->kind == DDP_COLL_RECV) && a->root == c->rank)
+        return ddp_error(DDP_ERR_INVALID, "%s: rank %d cannot %s itself", nm, c->rank,
+                         a->kind == DDP_COLL_SEND ? "send to" : "receive from");
+    int nt, no;
+    ddp_status st;
+    if (is_reduction(a->kind)) {
+        st = ddp_redop_check(a->dtype, a->op);
+        if (st != DDP_OK) return st;
+        st = ddp_nccl_map(a->dtype, a->op, &nt, &no);
+    } else {
+        st = ddp_nccl_map(a->dtype, DDP_SUM, &nt, NULL);
+    }
+    if (st != DDP_OK) return ddp_error_prefix(st, "%s: ", nm);
+    if (a->count == 0 || a->kind == DDP_COLL_BARRIER) return DDP_OK;
+    int root_side = a->root == c->rank;
+    int bad;
+    switch (a->kind) {
+    case DDP_COLL_ALLGATHER: case DDP_COLL_REDUCE_SCATTER:
+        bad = !a->sendbuf || !a->recvbuf; break;
+    case DDP_COLL_GATHER: bad = !a->sendbuf || (root_side && !a->recvbuf); break;
+    case DDP_COLL_SCATTER: bad = !a->recvbuf || (root_side && !a->sendbuf); break;
+    default: bad = !a->buf; break;
+    }
+    if (bad) return ddp_error(DDP_ERR_INVALID, "%s: a buffer of %zu elements is NULL", nm, a->count);
+    return DDP_OK;
+}
+
+ddp_status ddp_nccl_pointer_device(const ddp_nccl_comm *c, const void *ptr,
+                                   const char *argname, int *device) {
+    ddp_cu_ptr_attr at;
+    memset(&at, 0, sizeof at);
+    ddp_cu_err e = c->api->cudaPointerGetAttributes(&at, ptr);
+    if (e != DDP_CU_SUCCESS || (at.type != DDP_CU_MEM_DEVICE && at.type != DDP_CU_MEM_MANAGED))
+        return ddp_error(DDP_ERR_INVALID, "%s does not point to GPU memory (CUDA memory type %d%s%s)",
+                         argname, at.type, e ? ": " : "", e ? c->api->cudaGetErrorString(e) : "");
+    *device = at.device;
+    return DDP_OK;
+}
+
+/* ---- issuing ----------------------------------------------------------- */
+
+/* Host staging around one collective: copy `in` bytes to the device before
+ * it, `out` bytes back to pinned memory after it (0 = none). */
+typedef struct stage_plan {
+    const void *host_in;    /* pinned source of the input (NULL: none) */
+    void *dev_in;
+    size_t in_bytes;
+    void *host_out;         /* pinned destination of the output (NULL: none) */
+    const void *dev_out;
+    size_t out_bytes;
+} stage_plan;
+
+/* Gather/scatter as grouped point-to-point calls; the root's own block is
+ * a device copy. */
+static ddp_nc_result rooted_p2p(ddp_nccl_comm *c, const ddp_coll_args *a, int nt) {
+    const ddp_cuda_api *api = c->api;
+    size_t bytes = a->count * ddp_dtype_size(a->dtype);
+    int gather = a->kind == DDP_COLL_GATHER;
+    if (c->rank != a->root)
+        return gather ? api->ncclSend(a->sendbuf, a->count, nt, a->root, c->nc, c->stream)
+                      : api->ncclRecv(a->recvbuf, a->count, nt, a->root, c->nc, c->stream);
+    char *own_dst = gather ? (char *)a->recvbuf + (size_t)c->rank * bytes : (char *)a->recvbuf;
+    const char *own_src = gather ? (const char *)a->sendbuf
+                                 : (const char *)a->sendbuf + (size_t)c->rank * bytes;
+    if (bytes && own_dst != own_src &&
+        api->cudaMemcpyAsync(own_dst, own_src, bytes, DDP_CU_MEMCPY_DEFAULT, c->stream) != 0)
+        return 1; /* ncclUnhandledCudaError */
+    ddp_nc_result r = api->ncclGroupStart();
+    if (r != DDP_NC_SUCCESS) return r;
+    for (int p = 0; p < c->size && r == DDP_NC_SUCCESS; p++) {
+        if (p == c->rank) continue;
+        r = gather ? api->ncclRecv((char *)a->recvbuf + (size_t)p * bytes, a->count, nt, p, c->nc,
+                                   c->stream)
+                   : api->ncclSend((const char *)a->sendbuf + (size_t)p * bytes, a->count, nt, p,
+                                   c->nc, c->stream);
+    }
+    ddp_nc_result r2 = api->ncclGroupEnd();   /* always close the group */
+    return r != DDP_NC_SUCCESS ? r : r2;
+}
+
+static ddp_nc_result call_nccl(ddp_nccl_comm *c, const ddp_coll_args *a, int nt, int no) {
+    const ddp_cuda_api *api = c->api;
+    ddp_nc_comm nc = c->nc;
+    ddp_cu_stream s = c->stream;
+    switch (a->kind) {
+    case DDP_COLL_ALLREDUCE: return api->ncclAllReduce(a->buf, a->buf, a->count, nt, no, nc, s);
+    case DDP_COLL_BROADCAST: return api->ncclBroadcast(a->buf, a->buf, a->count, nt, a->root, nc, s);
+    case DDP_COLL_REDUCE: return api->ncclReduce(a->buf, a->buf, a->count, nt, no, a->root, nc, s);
+    case DDP_COLL_ALLGATHER: return api->ncclAllGather(a->sendbuf, a->recvbuf, a->count, nt, nc, s);
+    case DDP_COLL_REDUCE_SCATTER:
+        return api->ncclReduceScatter(a->sendbuf, a->recvbuf, a->count, nt, no, nc, s);
+    case DDP_COLL_SEND: return api->ncclSend(a->buf, a->count, nt, a->root, nc, s);
+    case DDP_COLL_RECV: return api->ncclRecv(a->buf, a->count, nt, a->root, nc, s);
+    case DDP_COLL_GATHER: case DDP_COLL_SCATTER: return rooted_p2p(c, a, nt);
+    case DDP_COLL_BARRIER:
+        return api->ncclAllReduce(c->scratch, c->scratch, 1, DDP_NC_UINT8, DDP_NC_MAX, nc, s);
+    }
+    return 4; /* ncclInvalidArgument */
+}
+
+/* Enqueue, under mu: producer order, staging copies, the NCCL call, the
+ * completion event. Breaks the communicator if NCCL was entered and the
+ * sequence could not be completed (ranks would disagree on what ran). */
+static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
+                               uintptr_t producer, const stage_plan *plan, ddp_nccl_work *w) {
+    const ddp_cuda_api *api = c->api;
+    char d[200];
+    ddp_nccl_describe(c, a->kind, c->seq + 1, a->count, a->dtype, d, sizeof d);
+    if (atomic_load(&c->broken) || c->nc == NULL)
+        return ddp_error(atomic_load(&c->broken) ? c->broken_st : DDP_ERR_INVALID,
+                         "%s: %s", d, atomic_load(&c->broken) ? c->broken_msg
+                                                              : "the communicator is gone");
+    ddp_status st = ddp_nccl_use_device(c);
+    if (st != DDP_OK) return st;
+    int nt, no = 0;
+    st = ddp_nccl_map(a->dtype, a->op, &nt, is_reduction(a->kind) ? &no : NULL);
+    if (st != DDP_OK) return st;
+    ddp_cu_err e = DDP_CU_SUCCESS;
+    const char *what = "";
+    if (has_producer) {
+        what = "ordering after the caller's stream";
+        e = api->cudaEventRecord(c->ready, (ddp_cu_stream)producer);
+        if (e == DDP_CU_SUCCESS) e = api->cudaStreamWaitEvent(c->stream, c->ready, 0);
+    }
+    if (e == DDP_CU_SUCCESS && plan && plan->in_bytes) {
+        what = "copying the input to the GPU";
+        e = api->cudaMemcpyAsync(plan->dev_in, plan->host_in, plan->in_bytes,
+                                 DDP_CU_MEMCPY_DEFAULT, c->stream);
+    }
+    if (e != DDP_CU_SUCCESS)   /* nothing reached NCCL: the communicator stays usable */
+        return ddp_error(DDP_ERR_SYS, "%s: %s failed: %s", d, what, api->cudaGetErrorString(e));
+    w->seq = ++c->seq;
+    st = ddp_nccl_settle_locked(c, call_nccl(c, a, nt, no), d,
+                                (ddp_wait){w->deadline_ms, NULL});
+    if (st != DDP_OK) return st;
+    if (plan && plan->out_bytes) {
+        what = "copying the result from the GPU";
+        e = api->cudaMemcpyAsync(plan->host_out, plan->dev_out, plan->out_bytes,
+                                 DDP_CU_MEMCPY_DEFAULT, c->stream);
+    }
+    if (e == DDP_CU_SUCCESS) {
+        what = "recording the completion event";
+        e = api->cudaEventRecord(w->done, c->stream);
+    }
+    if (e != DDP_CU_SUCCESS) {
+        ddp_nccl_fail_locked(c, DDP_ERR_SYS, "%s: %s failed: %s", d, what,
+                             api->cudaGetErrorString(e));
+        return ddp_error(c->broken_st, "%s", c->broken_msg);
+    }
+    return DDP_OK;
+}
+
+static ddp_status submit_plan(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
+                              uintptr_t producer, const stage_plan *plan, int64_t timeout_ms,
+                              ddp_nccl_work **out) {
+    *out = NULL;
+    ddp_status st = ddp_nccl_use_device(c);
+    if (st != DDP_OK) return st;
+    ddp_nccl_work *w = ddp_nccl_work_new(c, a, timeout_ms);
+    if (w == NULL)
+        return ddp_error(DDP_ERR_NOMEM, "rank %d: could not create a CUDA event for %s",
+                         c->rank, ddp_coll_name(a->kind));
+    pthread_mutex_lock(&c->mu);
+    st = issue_locked(c, a, has_producer, producer, plan, w);
+    pthread_mutex_unlock(&c->mu);
+    if (st != DDP_OK) {
+        char msg[1536];
+        ddp_copy_error(msg, sizeof msg);
+        ddp_nccl_work_release(w);
+        return ddp_error(st, "%s", msg);
+    }
+    *out = w;
+    return DDP_OK;
+}
+
+ddp_status ddp_nccl_submit(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
+                           uintptr_t producer, int64_t timeout_ms, ddp_nccl_work **out) {
+    return submit_plan(c, a, has_producer, producer, NULL, timeout_ms, out);
+}
+
+/* ---- host staging -------------------------------------------------------- */
+
+#define STAGE_ALIGN 256
+
+/* Grow the staging buffers to `need` bytes (stage_mu held, nothing staged
+ * in flight). The old buffers go first: cudaFree waits for the device. */
+static ddp_status stage_reserve(ddp_nccl_comm *c, size_t need) {
+    if (need <= c->stage_len) return DDP_OK;
+    size_t len = c->stage_len * 2 > need ? c->stage_len * 2 : need;
+    if (len < 65536) len = 65536;
+    const ddp_cuda_api *api = c->api;
+    if (c->stage_dev) api->cudaFree(c->stage_dev);
+    if (c->stage_host) api->cudaFreeHost(c->stage_host);
+    c->stage_dev = c->stage_host = NULL;
+    c->stage_len = 0;
+    ddp_cu_err e = api->cudaMalloc(&c->stage_dev, len);
+    if (e == DDP_CU_SUCCESS) e = api->cudaMallocHost(&c->stage_host, len);
+    if (e != DDP_CU_SUCCESS)
+        return ddp_error(DDP_ERR_NOMEM, "rank %d: could not allocate %zu bytes of staging memory "
+                         "for a host-array collective on cuda:%d: %s", c->rank, len, c->device,
+                         api->cudaGetErrorString(e));
+    c->stage_len = len;
+    return DDP_OK;
+}
+
+/* Input and output byte counts of a host collective (the same region for
+ * the in-place kinds). */
+static void stage_sizes(const ddp_nccl_comm *c, const ddp_coll_args *a, const void **in,
+                        size_t *in_bytes, void **out, size_t *out_bytes) {
+    size_t n = a->count * ddp_dtype_size(a->dtype), all = n * (size_t)c->size;
+    *in = NULL; *out = NULL; *in_bytes = *out_bytes = 0;
+    switch (a->kind) {
+    case DDP_COLL_ALLGATHER: case DDP_COLL_GATHER:
+        *in = a->sendbuf; *in_bytes = n;
+        if (a->recvbuf) { *out = a->recvbuf; *out_bytes = all; }
+        break;
+    case DDP_COLL_REDUCE_SCATTER: case DDP_COLL_SCATTER:
+        if (a->sendbuf) { *in = a->sendbuf; *in_bytes = all; }
+        *out = a->recvbuf; *out_bytes = n;
+        break;
+    case DDP_COLL_BARRIER: break;
+    default:
+        if (a->kind != DDP_COLL_RECV) { *in = a->buf; *in_bytes = n; }
+        if (a->kind != DDP_COLL_SEND) { *out = a->buf; *out_bytes = n; }
+    }
+}
+
+ddp_status ddp_nccl_run_host(ddp_nccl_comm *c, const ddp_coll_args *a, int64_t timeout_ms,
+                             const atomic_int *abort) {
+    const void *in;
+    void *out;
+    size_t in_bytes, out_bytes;
+    stage_sizes(c, a, &in, &in_bytes, &out, &out_bytes);
+    int inplace = in && out && in == (const void *)out;
+    size_t out_off = inplace ? 0 : (in_bytes + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
+    pthread_mutex_lock(&c->stage_mu);
+    ddp_status st = ddp_nccl_use_device(c);
+    if (st == DDP_OK) st = stage_reserve(c, inplace ? in_bytes : out_off + out_bytes);
+    if (st != DDP_OK) {
+        pthread_mutex_unlock(&c->stage_mu);
+        return st;
+    }
+    char *hd = c->stage_host, *dd = c->stage_dev;
+    if (in_bytes) memcpy(hd, in, in_bytes);
+    stage_plan plan = {hd, dd, in_bytes, hd + out_off, dd + out_off, out_bytes};
+    /* The same collective, pointed at the device staging buffers. */
+    ddp_coll_args da = *a;
+    if (a->buf) da.buf = dd;
+    if (a->sendbuf) da.sendbuf = dd;
+    if (a->recvbuf) da.recvbuf = dd + out_off;
+    ddp_nccl_work *w = NULL;
+    st = submit_plan(c, &da, 0, 0, &plan, timeout_ms, &w);
+    if (st == DDP_OK) {
+        st = ddp_nccl_work_wait(w, (ddp_wait){w->deadline_ms, abort});
+        if (st == DDP_ERR_ABORTED && !ddp_nccl_work_done(w)) {
+            ddp_nccl_comm_abort(c, "interrupted while waiting for a host-array collective");
+            st = ddp_error(DDP_ERR_ABORTED, "rank %d: %s interrupted", c->rank,
+                           ddp_coll_name(a->kind));
+        } else if (st == DDP_OK && out_bytes) {
+            memcpy(out, hd + out_off, out_bytes);
+        }
+        ddp_nccl_work_release(w);
+    }
+    pthread_mutex_unlock(&c->stage_mu);
+    return st;
+}
