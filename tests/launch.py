@@ -72,9 +72,11 @@ def torchrun(script, nproc, args=(), env=None, timeout=120, standalone=True, ext
     return run(cmd, env=env, timeout=timeout)
 
 
-def spawn_ranks(script, world_size, args=(), env=None, timeout=120):
+def spawn_ranks(script, world_size, args=(), env=None, timeout=120, master_addr="127.0.0.1",
+                prefix=None):
     """Start world_size plain processes with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set
-    (no torchrun: rank 0 hosts the store). Returns one Result per rank."""
+    (no torchrun: rank 0 hosts the store). prefix(rank), if given, is a command prefix
+    for that rank (e.g. ``ip netns exec NS``). Returns one Result per rank."""
     port = free_port()
     path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
     procs = []
@@ -84,10 +86,11 @@ def spawn_ranks(script, world_size, args=(), env=None, timeout=120):
     base.update(env or {})
     for r in range(world_size):
         e = dict(base, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                  MASTER_PORT=str(port))
         e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([PY, path] + list(args), env=e, cwd=ROOT,
+        cmd = (list(prefix(r)) if prefix else []) + [PY, path] + list(args)
+        procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
     results = []

@@ -1,0 +1,382 @@
+"""nccl-tests-style benchmark of pyddp's CPU collectives: ``python -m pyddp.bench``.
+
+Run it under torchrun (or with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set)::
+
+    torchrun --nproc-per-node=2 -m pyddp.bench -e 64M --compare-gloo
+
+For each collective (all_reduce, all_gather, reduce_scatter, broadcast) and each size
+from -b to -e (multiplying by -f), rank 0 prints a row in nccl-tests' terms: size in
+bytes, element count, dtype, reduction, root, time per call in microseconds (the slowest
+rank's), algorithm bandwidth (size / time) and bus bandwidth (algbw times the
+collective's traffic factor: 2(n-1)/n for all_reduce, (n-1)/n for all_gather and
+reduce_scatter, 1 for broadcast), and #wrong: after timing, each size runs once more
+on patterned data and counts the elements that differ from a NumPy reference.
+
+``--compare-gloo`` also initialises torch's gloo backend in the same processes, over
+the same buffers, and alternates rounds of the two (pyddp, gloo, pyddp, gloo, ...) so
+machine noise hits both alike; each side's time is the median of its rounds, and the
+last column is pyddp's busbw over gloo's. ``--tcp-stream`` first measures one plain
+TCP stream from rank 1 to rank 0 over the address pyddp uses, as the yardstick for
+links between hosts. The timed buffers are the same every iteration (results of one
+call feed the next), as in nccl-tests; the numbers measure transport and reduction,
+never Python-side copies.
+"""
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import pyddp as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+REDOPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
+NP_REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+             "avg": np.add}
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+CHECK_SLICE = 1 << 22   # elements compared per step, so checks of 256 MiB stay small
+
+
+def parse_size(text):
+    """'8', '64K', '256M', '1G' -> bytes."""
+    t = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m pyddp.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=256 << 20,
+                   help="largest size (256M); lower it to cap memory and time")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (2)")
+    p.add_argument("-d", "--datatype", choices=DTYPES, default="float32")
+    p.add_argument("-o", "--op", choices=sorted(REDOPS), default="sum")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated collectives")
+    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("-r", "--rounds", type=int, default=3,
+                   help="timed rounds per size and backend (the median is reported)")
+    p.add_argument("-t", "--round_ms", type=float, default=40.0,
+                   help="target length of a round; sets iterations per round")
+    p.add_argument("-n", "--max_iters", type=int, default=1000)
+    p.add_argument("-c", "--check", type=int, default=1, help="check results (1) or not (0)")
+    p.add_argument("--compare-gloo", action="store_true",
+                   help="also run torch's gloo backend in the same processes, interleaved")
+    p.add_argument("--tcp-stream", action="store_true",
+                   help="measure one plain TCP stream rank 1 -> rank 0 first (yardstick)")
+    p.add_argument("--stream-bytes", type=parse_size, default=1 << 30)
+    a = p.parse_args(argv)
+    a.ops = [o.strip() for o in a.ops.split(",") if o.strip()]
+    bad = [o for o in a.ops if o not in OPS]
+    if bad:
+        p.error(f"unknown collective(s) {bad}; choose from {', '.join(OPS)}")
+    if a.compare_gloo and a.op == "avg":
+        p.error("gloo has no AVG reduction; compare with another --op")
+    if a.minbytes < 1 or a.maxbytes < a.minbytes or a.stepfactor < 2:
+        p.error("need 1 <= minbytes <= maxbytes and stepfactor >= 2")
+    return a
+
+
+# ---- buffers and reference values -------------------------------------------------
+
+def make_array(n, dtype, fill=0):
+    """n elements of dtype as a NumPy array (bfloat16: a torch tensor), written once so
+    every page is real memory (np.zeros would map the shared zero page)."""
+    if dtype == "bfloat16":
+        import torch
+        return torch.full((n,), fill, dtype=torch.bfloat16)
+    a = np.empty(n, dtype=dtype)
+    a.fill(fill)
+    return a
+
+
+def as_numpy64(x):
+    if hasattr(x, "numpy"):
+        return x.float().numpy().astype(np.float64)
+    return x.astype(np.float64)
+
+
+def pattern(rank, start, n):
+    """Rank r's input at elements [start, start+n): small positive integers, so sums,
+    products, minima and maxima are exact in every dtype for a handful of ranks."""
+    i = np.arange(start, start + n, dtype=np.int64)
+    return ((i + 3 * rank) % 5 + 1).astype(np.float64)
+
+
+def fill_pattern(x, rank):
+    for s in range(0, len(x), CHECK_SLICE):
+        v = pattern(rank, s, min(CHECK_SLICE, len(x) - s))
+        if hasattr(x, "numpy"):
+            import torch
+            x[s:s + len(v)] = torch.from_numpy(v)
+        else:
+            x[s:s + len(v)] = v
+
+
+def reference(op, world, start, n, dtype):
+    """The reduction over all ranks of elements [start, start+n), in float64, rounded as
+    pyddp defines it (AVG: exact division for floats, truncation for integers)."""
+    acc = pattern(0, start, n)
+    for r in range(1, world):
+        acc = NP_REDUCE[op](acc, pattern(r, start, n))
+    if dtype.startswith("int") or dtype.startswith("uint"):
+        info = np.iinfo(dtype)
+        if op == "avg":
+            acc = np.trunc(acc / world)
+        # Integer products wrap as C arithmetic does.
+        acc = ((acc.astype(np.int64) - info.min) % (1 << info.bits) + info.min).astype(np.float64)
+    elif op == "avg":
+        acc = acc / world
+    return acc
+
+
+def count_wrong(got, want, dtype):
+    tol = {"float16": 1e-3, "bfloat16": 1e-2}.get(dtype, 1e-6)
+    return int(np.count_nonzero(~np.isclose(got, want, rtol=tol, atol=0)))
+
+
+# ---- one collective on either backend --------------------------------------------
+
+class Case:
+    """Buffers and calls for one collective at one size. Buffers are shared by both
+    backends (gloo gets torch views of the same memory)."""
+
+    def __init__(self, name, nbytes, args, world, rank):
+        self.name, self.world, self.rank, self.dtype = name, world, rank, args.datatype
+        es = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        total = max(1, nbytes // es)
+        self.per = None
+        if name in ("all_gather", "reduce_scatter"):
+            self.per = max(1, total // world)
+            total = self.per * world
+        self.count, self.nbytes = total, total * es
+        self.op = args.op if name in ("all_reduce", "reduce_scatter") else None
+        big = make_array(total, self.dtype)
+        small = make_array(self.per, self.dtype) if name in ("all_gather", "reduce_scatter") else None
+        self.bufs = (big, small)
+        self.tbufs = None
+
+    def run(self, backend):
+        big, small = self.bufs if backend == "pyddp" else self.tbufs
+        m = dist if backend == "pyddp" else self.tdist
+        op = getattr(m.ReduceOp, REDOPS[self.op]) if self.op else None
+        if self.name == "all_reduce":
+            m.all_reduce(big, op=op)
+        elif self.name == "all_gather":
+            m.all_gather_into_tensor(big, small)
+        elif self.name == "reduce_scatter":
+            m.reduce_scatter_tensor(small, big, op=op)
+        else:
+            m.broadcast(big, src=0)
+
+    def attach_torch(self, tdist):
+        import torch
+        self.tdist = tdist
+        self.tbufs = tuple(None if b is None else
+                           (b if isinstance(b, torch.Tensor) else torch.from_numpy(b))
+                           for b in self.bufs)
+
+    def check(self, backend):
+        """Run once on patterned inputs; return the number of wrong elements."""
+        big, small = self.bufs
+        if self.name == "all_gather":
+            fill_pattern(small, self.rank)
+        elif self.name == "broadcast":
+            fill_pattern(big, 0) if self.rank == 0 else fill_pattern(big, 1)
+        else:
+            fill_pattern(big, self.rank)
+        self.run(backend)
+        wrong = 0
+        out = small if self.name == "reduce_scatter" else big
+        got_all = as_numpy64(out)
+        for s in range(0, len(got_all), CHECK_SLICE):
+            n = min(CHECK_SLICE, len(got_all) - s)
+            if self.name == "all_reduce":
+                want = reference(self.op, self.world, s, n, self.dtype)
+            elif self.name == "reduce_scatter":
+                want = reference(self.op, self.world, self.rank * self.per + s, n, self.dtype)
+            elif self.name == "all_gather":
+                idx = np.arange(s, s + n)
+                want = ((idx % self.per + 3 * (idx // self.per)) % 5 + 1).astype(np.float64)
+            else:
+                want = pattern(0, s, n)
+            wrong += count_wrong(got_all[s:s + n], want, self.dtype)
+        return wrong
+
+
+# ---- timing -------------------------------------------------------------------------
+
+def world_max(values):
+    """Element-wise maximum over ranks (a small pyddp all_reduce, outside timed code)."""
+    a = np.asarray(values, dtype=np.float64)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX)
+    return a
+
+
+def time_rounds(case, backends, args):
+    """Warm up each backend, agree on iterations per round, then alternate timed rounds
+    between backends. Returns {backend: median seconds per call, slowest rank}."""
+    est = []
+    for b in backends:
+        t0 = time.perf_counter()
+        for _ in range(max(1, args.warmup_iters)):
+            case.run(b)
+        est.append((time.perf_counter() - t0) / max(1, args.warmup_iters))
+    est = world_max(est)
+    iters = [int(min(args.max_iters, max(1, args.round_ms / 1e3 / max(e, 1e-7)))) for e in est]
+    per_round = {b: [] for b in backends}
+    for _ in range(args.rounds):
+        for b, it in zip(backends, iters):
+            t0 = time.perf_counter()
+            for _ in range(it):
+                case.run(b)
+            per_round[b].append((time.perf_counter() - t0) / it)
+    rounds = world_max([x for b in backends for x in per_round[b]])
+    k = args.rounds
+    return {b: statistics.median(rounds[i * k:(i + 1) * k]) for i, b in enumerate(backends)}
+
+
+def sizes(args):
+    s = args.minbytes
+    while s <= args.maxbytes:
+        yield s
+        s *= args.stepfactor
+
+
+# ---- a single TCP stream (the yardstick between hosts) ------------------------------
+
+def tcp_stream(args, rank, world):
+    """GB/s of one TCP connection moving args.stream_bytes from rank 1 to rank 0 over
+    the address pyddp advertises, with large socket buffers, as a plain sendall/recv_into
+    pair would do it (the best a single stream does on this link)."""
+    from pyddp import _env
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    addr = [None]
+    if rank == 0:
+        host = _env.advertise_address(os.environ.get("MASTER_ADDR") or None)
+        srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        srv.bind((host, 0))
+        srv.listen(1)
+        addr = [(host, srv.getsockname()[1])]
+    dist.broadcast_object_list(addr, src=0)
+    elapsed = 0.0
+    if rank == 0:
+        srv.settimeout(60)
+        conn, _ = srv.accept()
+        conn.settimeout(120)
+        got, t0 = 0, None
+        while got < args.stream_bytes:
+            k = conn.recv_into(view)
+            if k == 0:
+                raise RuntimeError("TCP stream: the sender closed early")
+            if t0 is None:
+                t0 = time.perf_counter()
+            got += k
+        elapsed = time.perf_counter() - t0
+        conn.sendall(b"k")
+        conn.close()
+        srv.close()
+    elif rank == 1:
+        c = socket.create_connection(addr[0], timeout=60)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        left = args.stream_bytes
+        while left > 0:
+            k = min(left, len(buf))
+            c.sendall(view[:k])
+            left -= k
+        c.recv(1)
+        c.close()
+    dist.barrier()
+    return args.stream_bytes / elapsed / 1e9 if rank == 0 else 0.0
+
+
+# ---- main ---------------------------------------------------------------------------
+
+def init_gloo(rank, world):
+    """torch's gloo in the same processes, rendezvousing through pyddp's store server
+    (or torchrun's agent store) under its own key prefix."""
+    import torch.distributed as tdist
+    from pyddp._group import _State
+    st = tdist.TCPStore(_State.store.host, _State.store.port, is_master=False,
+                        wait_for_workers=False)
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("pyddp_bench_gloo", st),
+                             rank=rank, world_size=world)
+    return tdist
+
+
+def header(args, world, compare, stream):
+    lines = [f"# pyddp.bench: {world} ranks, dtype {args.datatype}, op {args.op}, "
+             f"{args.rounds} rounds per size (median), host {socket.gethostname()}, "
+             f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}"]
+    if stream:
+        lines.append(f"# single TCP stream rank 1 -> rank 0: {stream:.3f} GB/s")
+    cols = f"{'collective':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}"
+    side = f" {'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+    if compare:
+        lines.append(f"#{'':60}|{'pyddp':^32}|{'gloo':^32}|")
+        lines.append("#" + cols[1:] + " |" + side + " |" + side + " | " + "ratio")
+    else:
+        lines.append("#" + cols[1:] + side + (" %stream" if stream else ""))
+    lines.append(f"#{'':60}{'':11}{'(GB/s)':>8}{'(GB/s)':>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    dist.init_process_group("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tdist = init_gloo(rank, world) if args.compare_gloo else None
+    stream = tcp_stream(args, rank, world) if args.tcp_stream and world >= 2 else 0.0
+    backends = ["pyddp", "gloo"] if tdist else ["pyddp"]
+    if rank == 0:
+        print(header(args, world, bool(tdist), stream), flush=True)
+    failed = 0
+    for name in args.ops:
+        for nbytes in sizes(args):
+            case = Case(name, nbytes, args, world, rank)
+            if tdist:
+                case.attach_torch(tdist)
+            times = time_rounds(case, backends, args)
+            wrong = [case.check(b) if args.check else 0 for b in backends]
+            wrong = world_max(wrong)   # a wrong element anywhere counts
+            failed += int(wrong[0] > 0)
+            if rank == 0:
+                print(row(case, times, wrong, backends, world, stream), flush=True)
+            del case
+    if tdist:
+        tdist.destroy_process_group()
+    dist.destroy_process_group()
+    if failed and rank == 0:
+        print(f"# {failed} size(s) gave wrong results", flush=True)
+    return 1 if failed else 0
+
+
+def row(case, times, wrong, backends, world, stream):
+    root = 0 if case.name == "broadcast" else -1
+    s = (f"{case.name:>14} {case.nbytes:>11} {case.count:>10} {case.dtype:>8} "
+         f"{case.op or 'none':>5} {root:>4}")
+    bus = {}
+    for i, b in enumerate(backends):
+        t = times[b]
+        alg = case.nbytes / t / 1e9
+        bus[b] = alg * BUSBW_FACTOR[case.name](world)
+        s += (" |" if len(backends) > 1 else "") + \
+            f" {t * 1e6:>10.1f} {alg:>7.3f} {bus[b]:>7.3f} {int(wrong[i]):>6}"
+    if len(backends) > 1:
+        s += f" | {bus['pyddp'] / bus['gloo']:>5.2f}x" if bus["gloo"] > 0 else " |     -"
+    elif stream:
+        s += f" {100 * bus['pyddp'] / stream:>6.0f}%"
+    return s
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair.
+
+Ranks started with ``ip netns exec <ns>`` in different namespaces publish different
+host identities (the namespace is part of it), so pyddp connects them over TCP through
+the veth link, while ranks in the same namespace use shared memory. Used by
+tests/test_transport.py (mixed layouts) and benchmarks/ (the two-host comparison).
+
+Needs root and iproute2. Addresses come from 10.213.0.0/16, one /30 per pair of
+namespaces, chosen from the process id so that concurrent runs do not collide; the
+namespaces (and with them the veth pair) are deleted on exit, also after errors.
+"""
+import contextlib
+import os
+import shutil
+import subprocess
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be created here (not root, no iproute2, ...)."""
+
+
+def _ip(*args):
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def two_hosts():
+    """Yield ((ns_a, addr_a), (ns_b, addr_b)): two namespaces with loopback up and a veth
+    link between them. Raises NetnsUnavailable before creating anything it cannot."""
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces need root")
+    if shutil.which("ip") is None:
+        raise NetnsUnavailable("iproute2 (`ip`) is not installed")
+    tag = os.getpid() % 16000
+    ns = (f"pyddp{tag}a", f"pyddp{tag}b")
+    veth = (f"pdv{tag}a", f"pdv{tag}b")
+    base = 4 * tag   # a /30 inside 10.213.0.0/16
+    addr = (f"10.213.{base // 256}.{base % 256 + 1}", f"10.213.{base // 256}.{base % 256 + 2}")
+    made = []
+    try:
+        for n in ns:
+            _ip("netns", "add", n)
+            made.append(n)
+            _ip("-n", n, "link", "set", "lo", "up")
+        _ip("link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1],
+            "netns", ns[1])
+        for n, v, a in zip(ns, veth, addr):
+            _ip("-n", n, "addr", "add", f"{a}/30", "dev", v)
+            _ip("-n", n, "link", "set", v, "up")
+        yield (ns[0], addr[0]), (ns[1], addr[1])
+    finally:
+        for n in made:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=20)
+
+
+def exec_prefix(ns):
+    """Command prefix that runs a command inside namespace ns."""
+    return ["ip", "netns", "exec", ns]
