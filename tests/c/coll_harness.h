@@ -1,0 +1,110 @@
+/* coll_harness.h - threads as ranks for the collective tests.
+ *
+ * A "world" is N ranks in one process: every pair of ranks is joined by a
+ * socketpair(AF_UNIX, SOCK_STREAM) wrapped in a TCP link, and each rank has
+ * its own ddp_group. hrun() runs one function per rank on its own thread
+ * and joins them. hcoll() validates and runs one collective the way the
+ * communicator does, including shutting the rank's links down after a
+ * failure so that its peers fail fast instead of waiting for the deadline.
+ */
+#ifndef COLL_HARNESS_H
+#define COLL_HARNESS_H
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "ddp_coll.h"
+#include "testutil.h"
+
+#define H_MAXR 4
+#define H_DEADLINE_MS 60000 /* generous: a hang fails here, never stalls CI */
+
+typedef struct hworld {
+    int n;
+    ddp_link *links[H_MAXR][H_MAXR]; /* links[r][p]: rank r's end towards p */
+    ddp_group g[H_MAXR];
+    pthread_barrier_t bar;           /* for comparing results across ranks */
+    void *shared[H_MAXR];
+} hworld;
+
+static void hworld_init(hworld *w, int n, size_t small_bytes, size_t chunk_bytes) {
+    memset(w, 0, sizeof *w);
+    w->n = n;
+    for (int i = 0; i < n; i++) {
+        for (int j = i + 1; j < n; j++) {
+            int sv[2];
+            T_ASSERT(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+            char desc[64];
+            for (int k = 0; k < 2; k++)
+                T_ASSERT(fcntl(sv[k], F_SETFL, fcntl(sv[k], F_GETFL) | O_NONBLOCK) == 0);
+            snprintf(desc, sizeof desc, "rank %d (socketpair)", j);
+            T_ASSERT((w->links[i][j] = ddp_link_tcp_new(sv[0], j, desc)) != NULL);
+            snprintf(desc, sizeof desc, "rank %d (socketpair)", i);
+            T_ASSERT((w->links[j][i] = ddp_link_tcp_new(sv[1], i, desc)) != NULL);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        w->g[r].rank = r;
+        w->g[r].size = n;
+        w->g[r].links = w->links[r];
+        w->g[r].small_bytes = small_bytes;
+        w->g[r].chunk_bytes = chunk_bytes;
+    }
+    T_ASSERT(pthread_barrier_init(&w->bar, NULL, (unsigned)n) == 0);
+}
+
+static void hworld_free(hworld *w) {
+    for (int r = 0; r < w->n; r++) {
+        ddp_group_release_scratch(&w->g[r]);
+        for (int p = 0; p < w->n; p++) ddp_link_free(w->links[r][p]);
+    }
+    pthread_barrier_destroy(&w->bar);
+}
+
+/* Shut every link of rank r down, as ddp_comm does after a failure. */
+static void hbreak(hworld *w, int r) {
+    for (int p = 0; p < w->n; p++) ddp_link_shutdown(w->links[r][p]);
+}
+
+static ddp_status hcoll_wait(hworld *w, int r, const ddp_coll_args *a, ddp_wait wt) {
+    ddp_status st = ddp_coll_validate(&w->g[r], a);
+    if (st == DDP_OK) st = ddp_coll_run(&w->g[r], a, wt);
+    if (st != DDP_OK) hbreak(w, r);
+    return st;
+}
+
+static ddp_status hcoll(hworld *w, int r, const ddp_coll_args *a) {
+    return hcoll_wait(w, r, a, ddp_wait_for(H_DEADLINE_MS, NULL));
+}
+
+typedef void (*hrank_fn)(hworld *w, int rank, void *arg);
+
+typedef struct hthread {
+    hworld *w;
+    int rank;
+    hrank_fn fn;
+    void *arg;
+} hthread;
+
+static void *hthread_main(void *p) {
+    hthread *t = p;
+    t->fn(t->w, t->rank, t->arg);
+    return NULL;
+}
+
+/* Run fn(w, rank, arg) for every rank, one thread each, and join them. */
+static void hrun(hworld *w, hrank_fn fn, void *arg) {
+    pthread_t tid[H_MAXR];
+    hthread t[H_MAXR];
+    for (int r = 0; r < w->n; r++) {
+        t[r] = (hthread){w, r, fn, arg};
+        T_ASSERT(pthread_create(&tid[r], NULL, hthread_main, &t[r]) == 0);
+    }
+    for (int r = 0; r < w->n; r++) T_ASSERT(pthread_join(tid[r], NULL) == 0);
+}
+
+#endif
