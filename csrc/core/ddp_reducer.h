@@ -165,15 +165,14 @@ size_t ddp_reducer_pending(const ddp_reducer *r);
 
 /* Finish the iteration. Requires every parameter ready (DDP_ERR_INVALID
  * otherwise, nothing changed). With track_used, the local use flags are
- * all-reduced (sum) after the buckets when reduce_used is set, or the last
- * reduced flags are reused when it is not (static graphs). Then waits, in
- * bucket order, for every all-reduce; if w expires or is aborted first it
- * returns DDP_ERR_TIMEOUT / DDP_ERR_ABORTED and may simply be called again.
- * Once everything is done: if all succeeded, copies each average to its
+ * all-reduced (sum) after the buckets. Then waits, in bucket order, for
+ * every all-reduce; if w expires or is aborted first it returns
+ * DDP_ERR_TIMEOUT / DDP_ERR_ABORTED and may simply be called again. Once
+ * everything is done: if all succeeded, copies each average to its
  * copy_back destination, skipping parameters that no rank used (when
  * tracking use); ends the iteration either way and returns the first error,
  * naming the bucket. */
-ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, int reduce_used, ddp_wait w);
+ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, ddp_wait w);
 
 /* After a successful finish with track_used: how many ranks used parameter
  * i ([nparams]; all 1 with world size 1). */

@@ -197,7 +197,7 @@ static ddp_status end_with_status(ddp_reducer *r) {
     return st;
 }
 
-ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, int reduce_used, ddp_wait w) {
+ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, ddp_wait w) {
     const ddp_plan *p = &r->plan;
     if (!r->in_iter)
         return ddp_error(DDP_ERR_INVALID, "reducer: finish called outside a synced iteration");
@@ -207,7 +207,7 @@ ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, int reduce_used, d
     if (r->bufs == NULL)
         return ddp_error(DDP_ERR_INVALID, "reducer: no bucket buffers attached");
     /* The use flags go after the last bucket, like torch's local_used_map. */
-    if (track_used && reduce_used && !r->used_launched) launch_used(r);
+    if (track_used && !r->used_launched) launch_used(r);
     ddp_status st = wait_all(r, w, 1);
     if (st != DDP_OK) return st;
     if (r->failed == DDP_OK) {

@@ -8,7 +8,7 @@
  *   Bookkeeping (both paths): begin(), mark_ready(i) -> (first, count),
  *     note_used(i), unready(), arrival(), local_used(), end().
  *   CPU data path: attach(pg, buckets) with a _C.ProcessGroup (or None for
- *     one rank); ready(i, grad, copy_back); finish(track_used, reduce_used);
+ *     one rank); ready(i, grad, copy_back); finish(track_used);
  *     global_used(); drain().
  *
  * The Reducer holds references to the bucket arrays and to every gradient
@@ -355,14 +355,14 @@ static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
 }
 
 static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
-    int track_used, reduce_used;
-    if (!PyArg_ParseTuple(args, "pp", &track_used, &reduce_used)) return NULL;
+    int track_used;
+    if (!PyArg_ParseTuple(args, "p", &track_used)) return NULL;
     if (self->buckets == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.finish: no buckets attached");
     ddp_status st;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        st = ddp_reducer_finish(self->r, track_used, reduce_used, ddp_wait_for(100, NULL));
+        st = ddp_reducer_finish(self->r, track_used, ddp_wait_for(100, NULL));
         Py_END_ALLOW_THREADS
         if (st != DDP_ERR_TIMEOUT || !ddp_reducer_in_iteration(self->r) ||
             ddp_reducer_pending(self->r) == 0)
@@ -418,7 +418,7 @@ static PyMethodDef reducer_methods[] = {
     {"ready", (PyCFunction)reducer_ready, METH_VARARGS,
      "ready(i, grad_or_None, copy_back): copy into the bucket, launch full buckets"},
     {"finish", (PyCFunction)reducer_finish, METH_VARARGS,
-     "finish(track_used, reduce_used): wait for every bucket, copy averages back"},
+     "finish(track_used): wait for every bucket, copy averages back"},
     {"drain", (PyCFunction)reducer_drain, METH_NOARGS,
      "wait for in-flight all-reduces and end the iteration without copying back"},
     {NULL}

@@ -318,10 +318,10 @@ static void test_sim_average(void) {
     /* The use flags are reduced at finish: ranks that finish before the
      * last one launched them see an unfinished wait and call again. */
     for (int r = 0; r < R; r++)
-        T_STATUS(ddp_reducer_finish(m[r].r, 1, 1, ddp_wait_for(0, NULL)),
+        T_STATUS(ddp_reducer_finish(m[r].r, 1, ddp_wait_for(0, NULL)),
                  r == R - 1 ? DDP_OK : DDP_ERR_TIMEOUT);
     for (int r = 0; r < R; r++) {
-        if (r < R - 1) T_OK(ddp_reducer_finish(m[r].r, 1, 1, ddp_wait_for(0, NULL)));
+        if (r < R - 1) T_OK(ddp_reducer_finish(m[r].r, 1, ddp_wait_for(0, NULL)));
         T_ASSERT(ddp_reducer_pending(m[r].r) == 0 && !ddp_reducer_in_iteration(m[r].r));
         const int32_t *gu = ddp_reducer_global_used(m[r].r);
         T_ASSERT(gu[0] == 0 && gu[2] == 2 && gu[1] == 3);
@@ -357,18 +357,18 @@ static void test_sim_waits_and_errors(void) {
     /* Rank 0 finishes before rank 1 launched anything: not all ready yet. */
     for (int i = 0; i < 4; i++)
         T_OK(ddp_reducer_ready(m[0].r, (size_t)i, m[0].grad[i], DDP_FLOAT32, SIM_NUMEL[i], NULL));
-    T_STATUS(ddp_reducer_finish(m[0].r, 0, 0, ddp_wait_for(0, NULL)), DDP_ERR_INVALID);
+    T_STATUS(ddp_reducer_finish(m[0].r, 0, ddp_wait_for(0, NULL)), DDP_ERR_INVALID);
     T_STATUS(ddp_reducer_ready(m[0].r, 4, m[0].grad[4], DDP_FLOAT64, 9, NULL), DDP_ERR_TYPE);
     T_STATUS(ddp_reducer_ready(m[0].r, 4, m[0].grad[4], DDP_FLOAT32, 8, NULL), DDP_ERR_INVALID);
     T_STATUS(ddp_reducer_ready(m[0].r, 3, m[0].grad[3], DDP_FLOAT32, 40, NULL), DDP_ERR_INVALID);
     T_OK(ddp_reducer_ready(m[0].r, 4, m[0].grad[4], DDP_FLOAT32, 9, NULL));
     /* The peer has not launched: the wait ends unfinished, then resumes. */
-    T_STATUS(ddp_reducer_finish(m[0].r, 0, 0, ddp_wait_for(0, NULL)), DDP_ERR_TIMEOUT);
+    T_STATUS(ddp_reducer_finish(m[0].r, 0, ddp_wait_for(0, NULL)), DDP_ERR_TIMEOUT);
     T_ASSERT(ddp_reducer_in_iteration(m[0].r));
     for (int i = 4; i >= 0; i--)
         T_OK(ddp_reducer_ready(m[1].r, (size_t)i, m[1].grad[i], DDP_FLOAT32, SIM_NUMEL[i], NULL));
-    T_OK(ddp_reducer_finish(m[0].r, 0, 0, ddp_wait_for(0, NULL)));
-    T_OK(ddp_reducer_finish(m[1].r, 0, 0, ddp_wait_for(0, NULL)));
+    T_OK(ddp_reducer_finish(m[0].r, 0, ddp_wait_for(0, NULL)));
+    T_OK(ddp_reducer_finish(m[1].r, 0, ddp_wait_for(0, NULL)));
 
     /* A launch failure is reported by ready and again, with the bucket, by
      * finish; the iteration still ends. */
@@ -409,7 +409,7 @@ static void test_world_one(void) {
         T_OK(ddp_reducer_ready(m.r, (size_t)i, g, DDP_FLOAT32, SIM_NUMEL[i], cb));
     }
     T_ASSERT(ddp_reducer_pending(m.r) == 0);
-    T_OK(ddp_reducer_finish(m.r, 1, 1, ddp_wait_for(0, NULL)));
+    T_OK(ddp_reducer_finish(m.r, 1, ddp_wait_for(0, NULL)));
     for (size_t e = 0; e < SIM_NUMEL[3]; e++) T_ASSERT(m.out[3][e] == gval(0, 3, e));
     for (size_t e = 0; e < SIM_NUMEL[1]; e++)
         T_ASSERT(((float *)ddp_reducer_slot(m.r, 1))[e] == gval(0, 1, e));
@@ -476,7 +476,7 @@ static void *comm_rank_main(void *arg) {
             T_OK(ddp_reducer_ready(r, (size_t)i, grads + goff[i], DDP_FLOAT32, CNUMEL[i],
                                    grads + goff[i]));
         }
-        T_OK(ddp_reducer_finish(r, 0, 0, ddp_wait_for(20000, NULL)));
+        T_OK(ddp_reducer_finish(r, 0, ddp_wait_for(20000, NULL)));
         for (int i = 0; i < CN; i++)
             for (size_t e = 0; e < CNUMEL[i]; e += 97) {
                 float s = 0;

@@ -1,0 +1,384 @@
+"""Gradient bucketing engine behind pyddp.DistributedDataParallel.
+
+Two layers, shared by the torch front-end (``_ddp_torch``) and the array front-end
+(``ddp``):
+
+``BucketEngine`` owns one bucket plan (made by the C reducer, ``_C.Reducer``), the
+bucket arrays (allocated with the parameters' own library, dtype and device) and a
+view of each parameter's slot. It moves data on one of two paths:
+
+* the **C path** (CPU arrays on pyddp's CPU process group): ``_C.Reducer`` copies each
+  ready gradient into its slot and queues each full bucket's averaged all-reduce on
+  the communicator's worker thread, then waits and copies the averages back;
+* the **generic path** (any library and device, any backend whose process group has
+  ``submit``, e.g. NCCL): the same C bookkeeping decides which buckets may start, and
+  Python copies with the array library and all-reduces through ``pg.submit``.
+
+The generic path is forced on CPU by ``PYDDP_DDP_GENERIC_PATH=1`` (or the constructor's
+private ``_generic_path=True``), which is how the tests keep it honest.
+
+``GradSync`` holds DDP's per-iteration semantics on top of an engine: which gradients
+are expected, ``find_unused_parameters`` and ``static_graph``, the error that names
+unused parameters, creating ``.grad`` for parameters only other ranks used, and the
+one-time rebuild of buckets in the order gradients arrived on rank 0.
+"""
+import numpy as np
+
+from . import _C
+from . import _arrays as A
+
+FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
+
+
+def dtype_name(x):
+    """'float32' for torch.float32, numpy/cupy float32, ml_dtypes bfloat16, ..."""
+    return str(x.dtype).rsplit(".", 1)[-1]
+
+
+def device_key(x):
+    """An int naming x's device: -1 for host memory, the GPU index for CUDA arrays."""
+    dev = getattr(x, "device", None)
+    if dev is None or isinstance(dev, str):
+        return -1
+    if getattr(dev, "type", None) == "cuda":
+        return dev.index if dev.index is not None else 0
+    if getattr(dev, "type", None) == "cpu":
+        return -1
+    return getattr(dev, "id", -1)   # CuPy devices
+
+
+def int_array_like(like, values, dtype):
+    """A 1-D integer array holding values, in like's library and on like's device (so
+    that any backend, NCCL included, can communicate it)."""
+    lib = A._lib(like)
+    host = np.asarray(values, dtype=dtype)
+    if lib == "torch":
+        import torch
+        return torch.from_numpy(host).to(like.device)
+    if lib == "cupy":
+        import cupy
+        return cupy.asarray(host)
+    return host
+
+
+def wait_all(works):
+    """Wait for every handle (so none is left using memory), then raise the first error."""
+    first = None
+    for w in works:
+        try:
+            w.wait()
+        except BaseException as e:  # noqa: B902 - re-raised below, after the others
+            first = first or e
+    if first is not None:
+        raise first
+
+
+class BucketEngine:
+    """One bucket plan with its arrays and slot views, on the C or the generic path.
+
+    params: the parameter arrays (torch tensors, NumPy or CuPy arrays), registration
+    order. order: their expected ready order (None: reverse registration order).
+    """
+
+    def __init__(self, params, pg, world_size, cap_bytes, generic, timeout_ms, order=None):
+        self._params = params
+        self._pg = pg
+        self._world = world_size
+        self._generic = generic
+        self._timeout_ms = timeout_ms
+        specs = [(A.numel(p), dtype_name(p), device_key(p)) for p in params]
+        # The first bucket is small so that communication starts early in backward
+        # (never larger than the cap the user asked for).
+        self._c = _C.Reducer(specs, min(FIRST_BUCKET_BYTES, cap_bytes), cap_bytes, order)
+        layout, pbucket, poffset = self._c.layout()
+        self.layout = layout
+        self.buckets = []
+        for members, numel, _dt, _dev in layout:
+            b = A.empty_flat(A.for_core(params[members[0]]), numel)
+            b[...] = 0
+            self.buckets.append(b)
+        self.views = [self.buckets[pbucket[i]][poffset[i]:poffset[i] + A.numel(p)]
+                      .reshape(tuple(p.shape)) for i, p in enumerate(params)]
+        self._works = []        # generic path: bucket all-reduces in flight, in order
+        self._copy_back = {}    # index -> gradient the average is copied into by Python
+        if not generic:
+            self._c.attach(pg if world_size > 1 else None, self.buckets)
+
+    # -- bookkeeping shared by both paths --------------------------------------------
+    def begin(self):
+        self._c.begin()
+
+    @property
+    def in_iteration(self):
+        return self._c.in_iteration
+
+    def note_used(self, i):
+        self._c.note_used(i)
+
+    def unready(self):
+        return self._c.unready()
+
+    def arrival(self):
+        return self._c.arrival()
+
+    # -- data ------------------------------------------------------------------------
+    def ready(self, i, grad, copy_back):
+        """Parameter i's gradient (None: zeros) is final for this iteration: put it in
+        its slot and start every bucket that may now start. With copy_back, finish()
+        writes the average into grad."""
+        if self._generic:
+            self._ready_generic(i, grad, copy_back)
+        elif grad is not None and not A.is_contiguous(grad):
+            # The C path takes contiguous memory only: stage through the slot.
+            A.copy_into(self.views[i], grad)
+            if copy_back:
+                self._copy_back[i] = grad
+            self._c.ready(i, A.for_core(self.views[i]), False)
+        else:
+            self._c.ready(i, None if grad is None else A.for_core(grad), copy_back)
+
+    def _ready_generic(self, i, grad, copy_back):
+        view = self.views[i]
+        stays = self._world == 1 and copy_back   # the average over one rank is grad itself
+        if grad is None:
+            view[...] = 0
+        elif grad is not view and not stays:
+            A.copy_into(view, grad)
+        if copy_back and grad is not None and not stays:
+            self._copy_back[i] = grad
+        first, count = self._c.mark_ready(i)
+        if self._world > 1:
+            for b in range(first, first + count):
+                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, A.for_core(self.buckets[b]),
+                                                   None, _C.OP_AVG, 0, self._timeout_ms))
+
+    def finish(self, track_used):
+        """Wait for every bucket and copy the averages back (skipping parameters no rank
+        used, when track_used). Returns the per-parameter count of ranks that used it
+        (track_used) or None. Ends the iteration, also on error."""
+        if not self._generic:
+            try:
+                self._c.finish(track_used)
+                used = self._c.global_used() if track_used else None
+                self._copy_back_python(used)
+                return used
+            finally:
+                self._copy_back.clear()
+        try:
+            used = None
+            if track_used:
+                used = self._c.local_used()
+                if self._world > 1:
+                    flags = int_array_like(A.for_core(self._params[0]), used, np.int32)
+                    self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, flags, None,
+                                                       _C.OP_SUM, 0, self._timeout_ms))
+            works, self._works = self._works, []
+            wait_all(works)
+            if track_used and self._world > 1:
+                used = flags.tolist()
+            self._copy_back_python(used)
+            return used
+        finally:
+            self._copy_back.clear()
+            self._c.end()
+
+    def _copy_back_python(self, used):
+        for i, g in self._copy_back.items():
+            if used is None or used[i]:
+                A.copy_into(g, self.views[i])
+
+    def drain(self):
+        """Error path: wait for whatever is in flight, ignore results, end the iteration."""
+        self._copy_back.clear()
+        if self._generic:
+            works, self._works = self._works, []
+            try:
+                wait_all(works)
+            except BaseException:  # noqa: B902 - the caller is already raising its own error
+                pass
+            self._c.end()
+        else:
+            self._c.drain()
+
+
+class GradSync:
+    """DDP's iteration semantics over a BucketEngine.
+
+    The front-end supplies the parameters (arrays), their names, and how to read and
+    replace a parameter's gradient (``get_grad(i)``, ``set_grad(i, g)``). It calls
+    ``start()`` when a synced backward is expected, ``on_grad(i)`` whenever parameter i's
+    gradient has been accumulated, and ``finalize()`` once backward is over.
+    """
+
+    def __init__(self, params, names, get_grad, set_grad, *, pg, rank, world_size,
+                 bucket_cap_bytes, find_unused, static_graph, view_mode, generic,
+                 timeout_ms, clone):
+        self.params, self.names = params, names
+        self.get_grad, self.set_grad, self._clone = get_grad, set_grad, clone
+        self.rank, self.world = rank, world_size
+        self._pg, self._timeout_ms = pg, timeout_ms
+        self._cap, self._generic = bucket_cap_bytes, generic
+        self.static_graph = static_graph
+        self.dynamic_unused = find_unused and not static_graph
+        self.view_mode = view_mode
+        self.engine = BucketEngine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms)
+        self.expect = False          # a synced backward is expected (hooks reduce)
+        self.started = False         # a gradient arrived in this synced iteration
+        self.broken = None           # message of an unrecoverable error
+        self.rebuilt = False
+        self._order_seen = None      # arrival order of the first synced iteration
+        self._counts = [0] * len(params)
+        self._static_expected = None  # per-parameter gradient count, after iteration 1
+        self._static_used = None      # global use counts of iteration 1
+        self._static_seen = []
+        if view_mode:
+            self._point_grads_at_views()
+
+    # -- iteration ---------------------------------------------------------------------
+    def check_prior(self):
+        """Raise if an earlier error broke DDP, or if the previous synced backward started
+        but never finished (some gradients arrived, the reduction did not complete)."""
+        if self.broken:
+            raise _C.DistError(self.broken)
+        if self.engine.in_iteration:
+            if len(self.engine.unready()) < len(self.params):
+                self._fail(self._unused_message(self.engine.unready(), when="in the previous "
+                                                "iteration"))
+            self.engine.drain()      # forward without backward: nothing to reduce
+
+    def start(self):
+        self.check_prior()
+        self.engine.begin()
+        self.expect = True
+        self.started = False
+        self._counts = [0] * len(self.params)
+        self._static_seen = []
+
+    def on_grad(self, i):
+        """Parameter i's gradient was accumulated. Returns True for the first gradient of
+        a synced iteration: the caller then makes finalize() run after backward."""
+        g = self.get_grad(i)
+        if g is not None and (self.dynamic_unused or self._static_first()):
+            self.engine.note_used(i)
+        if not self.expect:
+            return False
+        first = not self.started
+        self.started = True
+        self._counts[i] += 1
+        if self.static_graph:
+            if self._static_first():
+                if self._counts[i] == 1:
+                    self._static_seen.append(i)
+                return first          # iteration 1 of a static graph reduces at the end
+            if first:                 # parameters the static graph never uses
+                for j, n in enumerate(self._static_expected):
+                    if n == 0:
+                        self._ready(j)
+            if self._counts[i] > self._static_expected[i]:
+                self._fail(f"DDP (static_graph=True): rank {self.rank}: parameter "
+                           f"{self.names[i]!r} received {self._counts[i]} gradients in one "
+                           f"backward pass but {self._static_expected[i]} in the first "
+                           f"iteration; the graph is not static, so use static_graph=False")
+            if self._counts[i] < self._static_expected[i]:
+                return first
+        self._ready(i)
+        return first
+
+    def _static_first(self):
+        return self.static_graph and self._static_expected is None
+
+    def _ready(self, i):
+        g = self.get_grad(i)
+        if self.view_mode:
+            view = self.engine.views[i]
+            self.engine.ready(i, g, False)
+            if g is not None and g is not view:
+                self.set_grad(i, view)
+        else:
+            skip = self._static_used is not None and not self._static_used[i]
+            self.engine.ready(i, g, g is not None and not skip)
+
+    def finalize(self):
+        """End of backward: treat unused parameters as the mode says, wait for every
+        bucket, and leave averaged gradients in .grad."""
+        self.expect = False
+        try:
+            unready = self.engine.unready()
+            if unready:
+                if self._static_first():
+                    seen = set(self._static_seen)
+                    for i in self._static_seen + [j for j in unready if j not in seen]:
+                        self._ready(i)
+                elif self.dynamic_unused:
+                    for i in unready:
+                        self._ready(i)
+                else:
+                    self._fail(self._unused_message(unready, when="in this backward pass"))
+            first_static = self._static_first()
+            track = self.dynamic_unused or first_static
+            used = self.engine.finish(track)
+            if first_static:
+                self._static_expected = list(self._counts)
+                self._static_used = used
+            elif self.static_graph:
+                used = self._static_used
+            if used is not None:
+                self._create_missing_grads(used)
+            if not self.rebuilt and self._order_seen is None and not self.dynamic_unused:
+                self._order_seen = self.engine.arrival()
+        except BaseException:
+            if self.engine.in_iteration:
+                self.engine.drain()
+            raise
+
+    def _create_missing_grads(self, used):
+        """Parameters some rank used but this one did not: give them the average (torch
+        creates their .grad; parameters no rank used keep theirs untouched)."""
+        for i, n in enumerate(used):
+            if n and self.get_grad(i) is None:
+                view = self.engine.views[i]
+                self.set_grad(i, view if self.view_mode else self._clone(view))
+
+    def _fail(self, msg):
+        self.broken = msg
+        if self.engine.in_iteration:
+            self.engine.drain()
+        raise _C.DistError(msg)
+
+    def _unused_message(self, unready, when):
+        names = [self.names[i] for i in unready]
+        shown = names if len(names) <= 20 else names[:20] + [f"... ({len(names) - 20} more)"]
+        return (f"DDP: rank {self.rank}: {len(names)} parameter(s) received no gradient "
+                f"{when}, so their buckets could never be all-reduced: {shown} (indices "
+                f"{unready[:20]}). Make every parameter contribute to the loss (use all "
+                f"forward outputs in the loss), or pass find_unused_parameters=True to "
+                f"DistributedDataParallel. This DDP instance is now unusable: fix the "
+                f"model and restart the job.")
+
+    # -- buckets in arrival order -----------------------------------------------------------
+    def maybe_rebuild(self):
+        """Once, after the first synced iteration: re-plan the buckets in the order the
+        gradients arrived on rank 0 (broadcast, so every rank gets the same plan).
+        Collective: every rank calls it at the same point (the next forward)."""
+        if self.rebuilt or self._order_seen is None or self.engine.in_iteration:
+            return False
+        order = int_array_like(A.for_core(self.params[0]), self._order_seen, np.int64)
+        if self.world > 1:
+            self._pg.submit(_C.COLL_BROADCAST, order, None, 0, 0, self._timeout_ms).wait()
+        engine = BucketEngine(self.params, self._pg, self.world, self._cap, self._generic,
+                              self._timeout_ms, order=order.tolist())
+        self.engine = engine
+        self.rebuilt = True
+        self._order_seen = None
+        if self.view_mode:
+            self._point_grads_at_views()
+        return True
+
+    def _point_grads_at_views(self):
+        """gradient_as_bucket_view: existing gradients move into their bucket slots and
+        .grad becomes the slot itself."""
+        for i, view in enumerate(self.engine.views):
+            g = self.get_grad(i)
+            if g is not None and g is not view:
+                A.copy_into(view, g)
+                self.set_grad(i, view)

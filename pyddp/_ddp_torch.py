@@ -1,0 +1,154 @@
+"""The torch front-end of pyddp.DistributedDataParallel (imported only for torch modules).
+
+``TorchDDP`` is a ``torch.nn.Module`` that mirrors ``torch.nn.parallel.
+DistributedDataParallel``: the wrapped model is ``.module`` (so ``state_dict()`` keys
+start with ``module.``), forward passes straight through, and ``loss.backward()``
+returns with gradients averaged across ranks:
+
+* each trainable parameter gets a ``register_post_accumulate_grad_hook`` that hands its
+  gradient to the reducer the moment autograd has accumulated it, so full buckets are
+  all-reduced on the communication thread while backward goes on;
+* the first such hook of a synced iteration queues an autograd engine callback,
+  which runs when backward ends: it deals with parameters that got no gradient and
+  waits for every bucket (``GradSync.finalize``).
+
+Forward follows torch's order: check the previous iteration finished, rebuild buckets
+once (first forward after the first synced backward), broadcast buffers from rank 0,
+run the module, then expect a synced backward if grad is enabled outside ``no_sync()``.
+"""
+import functools
+import weakref
+
+import torch
+
+from . import _C
+from ._ddp_reducer import GradSync
+from ._group import default_pg, default_timeout_ms, get_rank, get_world_size
+from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes, use_generic_path,
+                  verify_across_ranks)
+
+
+def _on_grad(ddp_ref, i, param):
+    ddp = ddp_ref()
+    if ddp is not None and ddp._sync.on_grad(i):
+        torch.autograd.Variable._execution_engine.queue_callback(ddp._finalize_backward)
+
+
+def _to_device(obj, device):
+    """Move the tensors in (nested) inputs to device, as torch's DDP does with device_ids."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+class TorchDDP(DistributedDataParallel, torch.nn.Module):
+    """pyddp.DistributedDataParallel for a torch.nn.Module (see DistributedDataParallel)."""
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers=True, init_sync=True, process_group=None,
+                 bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False, _generic_path=None):
+        torch.nn.Module.__init__(self)
+        if process_group is not None:
+            raise _C.DistValueError("pyddp's DDP supports only the default process group "
+                                    "(process_group=None)")
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise _C.DistError("DistributedDataParallel is not needed when a module doesn't "
+                               "have any parameter that requires a gradient.")
+        self._check_devices(trainable, device_ids, output_device)
+        self.module = module
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._module_buffers = [b for n, b in module.named_buffers() if n not in ignore]
+        pg = default_pg()
+        self._pg, self._timeout_ms = pg, default_timeout_ms()
+        names = [n for n, _ in trainable]
+        params = [p for _, p in trainable]
+        self._params = params
+        with torch.no_grad():
+            if init_sync:
+                verify_across_ranks(names, params)
+                if get_world_size() > 1:
+                    states = [p.detach() for _, p in named]
+                    if broadcast_buffers:
+                        states += [b.detach() for b in self._module_buffers]
+                    broadcast_coalesced(states, pg, self._timeout_ms)
+            self._sync = GradSync(
+                [p.detach() for p in params], names, self._get_grad, self._set_grad, pg=pg,
+                rank=get_rank(), world_size=get_world_size(),
+                bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
+                find_unused=find_unused_parameters, static_graph=static_graph,
+                view_mode=gradient_as_bucket_view,
+                generic=use_generic_path(pg, params, _generic_path),
+                timeout_ms=self._timeout_ms, clone=lambda v: v.clone())
+        ref = weakref.ref(self)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(
+            functools.partial(_on_grad, ref, i)) for i, p in enumerate(params)]
+
+    def _check_devices(self, trainable, device_ids, output_device):
+        types = {p.device.type for _, p in trainable}
+        if len(types) != 1:
+            raise _C.DistValueError(f"DistributedDataParallel's module must have all its "
+                                    f"parameters on one type of device, not {sorted(types)}")
+        if device_ids is not None and len(device_ids) > 1:
+            raise _C.DistValueError("device_ids can only be None or contain a single element.")
+        devices = {p.device for _, p in trainable}
+        if not device_ids or types == {"cpu"} or len(devices) > 1:
+            if device_ids or output_device is not None:
+                raise _C.DistValueError(
+                    f"device_ids and output_device only work with single-device GPU modules; "
+                    f"this module's parameters are on {sorted(str(d) for d in devices)}")
+            self.device_ids = None
+            self.output_device = None
+            return
+        dev = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else \
+            torch.device("cuda", device_ids[0])
+        self.device_ids = [dev.index]
+        self.output_device = output_device if output_device is not None else dev.index
+
+    def _get_grad(self, i):
+        return self._params[i].grad
+
+    def _set_grad(self, i, g):
+        self._params[i].grad = g
+
+    def _finalize_backward(self):
+        self._sync.finalize()
+
+    def forward(self, *inputs, **kwargs):
+        sync = self._sync
+        grad_on = torch.is_grad_enabled()
+        if grad_on:
+            sync.check_prior()
+            sync.maybe_rebuild()
+        if (self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers
+                and get_world_size() > 1):
+            with torch.no_grad():
+                broadcast_coalesced([b.detach() for b in self._module_buffers], self._pg,
+                                    self._timeout_ms)
+        if self.device_ids:
+            dev = torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = _to_device(inputs, dev), _to_device(kwargs, dev)
+        out = self.module(*inputs, **kwargs)
+        if grad_on and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            sync.start()
+        else:
+            self.require_forward_param_sync = False
+        return out
+
+    def register_comm_hook(self, state, hook):
+        raise NotImplementedError("pyddp's DistributedDataParallel does not support "
+                                  "communication hooks; gradients are always averaged")
