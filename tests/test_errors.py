@@ -143,3 +143,40 @@ def test_file_init_method(tmp_path):
     res = spawn_ranks("scenarios.py", 3, args=["init_method", "--init-method",
                                                f"file://{path}"], timeout=60)
     assert [r["ok"] for r in results(res)] == [True] * 3, [r.output for r in res]
+
+
+def test_ctrl_c_interrupts_a_collective_and_aborts_the_group():
+    import signal
+    import subprocess
+    from launch import ROOT, kill_group
+    port = free_port()
+    procs = []
+    try:
+        for r in range(2):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
+                       PYDDP_TIMEOUT="60")
+            procs.append(subprocess.Popen([PY, os.path.join(WORKERS, "scenarios.py"),
+                                           "sigint"], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        line = procs[0].stdout.readline()
+        while line and "READY" not in line:
+            line = procs[0].stdout.readline()
+        time.sleep(1.0)
+        procs[0].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=30)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+
+    class R:
+        def __init__(self, o):
+            self.output = o
+    rs = results([R(o) for o in outs])
+    r0 = [r for r in rs if r.get("rank") == 0 and "seconds" in r][0]
+    assert r0["cls"] == "KeyboardInterrupt" and r0["seconds"] < 3, r0
+    after = [r for r in rs if "after" in r][0]
+    assert after["after"] and "aborted" in after["msg"], after
+    r1 = [r for r in rs if r.get("rank") == 1][0]
+    assert r1["cls"] and "DistError" in r1["cls"] and r1["seconds"] < 10, r1

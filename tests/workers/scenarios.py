@@ -149,6 +149,26 @@ def sc_init_method(rank, ws, method):
     dist.destroy_process_group()
 
 
+def sc_sigint(rank, ws):
+    dist.init_process_group("cpu")
+    if rank == 0:
+        print("READY", flush=True)
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(np.ones(4))    # rank 1 never joins; Ctrl-C arrives
+        except KeyboardInterrupt:
+            report(rank=rank, cls="KeyboardInterrupt", seconds=round(time.monotonic() - t0, 2))
+        # the group is aborted: later calls fail at once
+        cls, msg, dt = expect_error(lambda: dist.all_reduce(np.ones(4)))
+        report(rank=rank, after=classes(cls) if cls else None, msg=msg)
+    else:
+        time.sleep(4)
+        # rank 0's contribution to the interrupted call may already be in flight, so
+        # the first call can still complete; the next ones must fail at once
+        cls, msg, dt = expect_error(lambda: [dist.all_reduce(np.ones(4)) for _ in range(3)])
+        report(rank=rank, cls=classes(cls) if cls else None, msg=msg, seconds=round(dt, 2))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario")
@@ -170,6 +190,8 @@ def main():
         sc_gil(rank, ws)
     elif a.scenario == "reinit":
         sc_reinit(rank, ws)
+    elif a.scenario == "sigint":
+        sc_sigint(rank, ws)
     elif a.scenario == "init_method":
         sc_init_method(rank, ws, a.init_method)
     else:
