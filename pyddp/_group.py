@@ -189,6 +189,9 @@ def _pick_backend(backend):
     if b not in _BACKENDS:
         raise _C.DistValueError(f"backend={backend!r} is not supported; use 'cpu' (alias "
                                 f"'gloo'), 'nccl', or None to pick automatically")
+    if b == "nccl":
+        from . import _nccl_backend
+        _nccl_backend.require()   # fail at once, before any rendezvous
     return "cpu" if b == "gloo" else b
 
 

@@ -335,7 +335,8 @@ ddp_nccl_work *ddp_nccl_work_new(ddp_nccl_comm *c, const ddp_coll_args *a, int64
         free(w);
         return NULL;
     }
-    w->deadline_ms = ddp_wait_for(timeout_ms < 0 ? c->timeout_ms : timeout_ms, NULL).deadline_ms;
+    w->timeout_ms = timeout_ms < 0 ? c->timeout_ms : timeout_ms;
+    w->deadline_ms = ddp_wait_for(w->timeout_ms, NULL).deadline_ms;
     w->kind = a->kind;
     w->dtype = a->dtype;
     w->count = a->count;
@@ -400,11 +401,11 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
         ddp_nccl_fail(c, DDP_ERR_SYS, "%s failed on the GPU: %s (CUDA error %d)", d,
                       api->cudaGetErrorString(q), q);
     } else if (ddp_now_ms() >= w->deadline_ms) {
-        ddp_nccl_fail(c, DDP_ERR_TIMEOUT, "%s did not complete before its timeout; the NCCL "
-                      "communicator was aborted. Some rank did not reach this collective, is "
-                      "stuck or died, or called a different collective (NCCL cannot tell "
-                      "which): check that every rank calls the same collectives in the same "
-                      "order with the same sizes", d);
+        ddp_nccl_fail(c, DDP_ERR_TIMEOUT, "%s did not complete within its timeout of %.1f s; "
+                      "the NCCL communicator was aborted. Some rank did not reach this "
+                      "collective, is stuck or died, or called a different collective (NCCL "
+                      "cannot tell which): check that every rank calls the same collectives "
+                      "in the same order with the same sizes", d, (double)w->timeout_ms / 1000.0);
     } else {
         return 0;
     }

@@ -38,6 +38,7 @@ struct ddp_nccl_work {
     ddp_nccl_comm *comm;         /* counted reference */
     ddp_cu_event done;           /* recorded on the comm stream after the op */
     int64_t deadline_ms;
+    int64_t timeout_ms;          /* for messages */
     ddp_coll_kind kind;
     ddp_dtype dtype;
     size_t count;

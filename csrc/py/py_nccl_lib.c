@@ -24,7 +24,12 @@ static ddp_lib_candidate *candidates(PyObject *seq, const char *name, Py_ssize_t
     ddp_lib_candidate *c = PyMem_Calloc((size_t)*n + 1, sizeof *c);
     for (Py_ssize_t i = 0; c && i < *n; i++) {
         PyObject *it = PySequence_Fast_GET_ITEM(fast, i);
-        if (!PyArg_ParseTuple(it, "ss", &c[i].path, &c[i].origin)) {
+        /* Only lists and tuples: their items are the strings themselves, which
+         * `seq` keeps alive while the pointers are used. */
+        PyObject *pair = PyTuple_Check(it) || PyList_Check(it) ? PySequence_Tuple(it) : NULL;
+        int ok = pair && PyArg_ParseTuple(pair, "ss", &c[i].path, &c[i].origin);
+        Py_XDECREF(pair);
+        if (!ok) {
             PyErr_Format(PyExc_TypeError, "nccl_load: %s[%zd] must be a (path, origin) pair",
                          name, i);
             PyMem_Free(c);
