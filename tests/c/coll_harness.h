@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -31,7 +32,7 @@ typedef struct hworld {
     void *shared[H_MAXR];
 } hworld;
 
-static void hworld_init(hworld *w, int n, size_t small_bytes, size_t chunk_bytes) {
+static inline void hworld_init(hworld *w, int n, size_t small_bytes, size_t chunk_bytes) {
     memset(w, 0, sizeof *w);
     w->n = n;
     for (int i = 0; i < n; i++) {
@@ -57,7 +58,7 @@ static void hworld_init(hworld *w, int n, size_t small_bytes, size_t chunk_bytes
     T_ASSERT(pthread_barrier_init(&w->bar, NULL, (unsigned)n) == 0);
 }
 
-static void hworld_free(hworld *w) {
+static inline void hworld_free(hworld *w) {
     for (int r = 0; r < w->n; r++) {
         ddp_group_release_scratch(&w->g[r]);
         for (int p = 0; p < w->n; p++) ddp_link_free(w->links[r][p]);
@@ -66,19 +67,66 @@ static void hworld_free(hworld *w) {
 }
 
 /* Shut every link of rank r down, as ddp_comm does after a failure. */
-static void hbreak(hworld *w, int r) {
+static inline void hbreak(hworld *w, int r) {
     for (int p = 0; p < w->n; p++) ddp_link_shutdown(w->links[r][p]);
 }
 
-static ddp_status hcoll_wait(hworld *w, int r, const ddp_coll_args *a, ddp_wait wt) {
+static inline ddp_status hcoll_wait(hworld *w, int r, const ddp_coll_args *a, ddp_wait wt) {
     ddp_status st = ddp_coll_validate(&w->g[r], a);
     if (st == DDP_OK) st = ddp_coll_run(&w->g[r], a, wt);
     if (st != DDP_OK) hbreak(w, r);
     return st;
 }
 
-static ddp_status hcoll(hworld *w, int r, const ddp_coll_args *a) {
+static inline ddp_status hcoll(hworld *w, int r, const ddp_coll_args *a) {
     return hcoll_wait(w, r, a, ddp_wait_for(H_DEADLINE_MS, NULL));
+}
+
+/* A link wrapper for fault and transport tests. It forwards to an inner
+ * link, lets at most `budget` bytes be sent and then shuts the inner link
+ * down (as if the process behind it died mid-send), and with `nofd` hides
+ * the descriptor so the drivers must spin, as for shared memory. */
+typedef struct hwrap {
+    ddp_link *inner;
+    size_t budget;
+    int nofd;
+} hwrap;
+
+static inline ddp_status hwrap_send(ddp_link *l, const void *buf, size_t n, size_t *done) {
+    hwrap *h = l->impl;
+    if (h->budget == 0) ddp_link_shutdown(h->inner);
+    size_t before = *done, lim = n - *done > h->budget ? *done + h->budget : n;
+    ddp_status st = h->inner->ops->send_some(h->inner, buf, lim, done);
+    h->budget -= *done - before;
+    return st;
+}
+static inline ddp_status hwrap_recv(ddp_link *l, void *buf, size_t n, size_t *done) {
+    hwrap *h = l->impl;
+    return h->inner->ops->recv_some(h->inner, buf, n, done);
+}
+static inline int hwrap_fd(ddp_link *l) {
+    hwrap *h = l->impl;
+    return h->nofd ? -1 : h->inner->ops->wait_fd(h->inner);
+}
+static inline void hwrap_shutdown(ddp_link *l) { ddp_link_shutdown(((hwrap *)l->impl)->inner); }
+static inline void hwrap_destroy(ddp_link *l) {
+    hwrap *h = l->impl;
+    ddp_link_free(h->inner);
+    free(h);
+}
+static const ddp_link_ops hwrap_ops = {"wrap", hwrap_send, hwrap_recv, hwrap_fd,
+                                       hwrap_shutdown, hwrap_destroy};
+
+/* Wrap inner (taken over) and return the wrapper, same peer and desc. */
+static inline ddp_link *hwrap_new(ddp_link *inner, size_t budget, int nofd) {
+    ddp_link *l = calloc(1, sizeof *l);
+    hwrap *h = calloc(1, sizeof *h);
+    T_ASSERT(l && h);
+    *h = (hwrap){inner, budget, nofd};
+    *l = *inner;
+    l->ops = &hwrap_ops;
+    l->impl = h;
+    return l;
 }
 
 typedef void (*hrank_fn)(hworld *w, int rank, void *arg);
@@ -90,14 +138,14 @@ typedef struct hthread {
     void *arg;
 } hthread;
 
-static void *hthread_main(void *p) {
+static inline void *hthread_main(void *p) {
     hthread *t = p;
     t->fn(t->w, t->rank, t->arg);
     return NULL;
 }
 
 /* Run fn(w, rank, arg) for every rank, one thread each, and join them. */
-static void hrun(hworld *w, hrank_fn fn, void *arg) {
+static inline void hrun(hworld *w, hrank_fn fn, void *arg) {
     pthread_t tid[H_MAXR];
     hthread t[H_MAXR];
     for (int r = 0; r < w->n; r++) {
