@@ -24,7 +24,7 @@ def main():
     pyddp.init_process_group(backend, store=store, rank=0, world_size=1,
                              timeout=timedelta(seconds=60))
     if device == "cuda":
-        torch.cuda.set_device(pyddp._nccl_backend.cuda_device_for_local_rank())
+        torch.cuda.set_device(pyddp.cuda_device_for_local_rank())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 64), torch.nn.Tanh(),

@@ -16,7 +16,7 @@ def rank_input(r, n, dtype):
 def main():
     pyddp.init_process_group("nccl")
     r, ws = pyddp.get_rank(), pyddp.get_world_size()
-    torch.cuda.set_device(pyddp._nccl_backend.cuda_device_for_local_rank())
+    torch.cuda.set_device(pyddp.cuda_device_for_local_rank())
     n = 1000
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
                   torch.int64, torch.int8, torch.uint8):
