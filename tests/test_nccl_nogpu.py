@@ -13,9 +13,12 @@
 import json
 import logging
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,7 +27,7 @@ from pyddp import _C, _nccl_backend as nb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from launch import run  # noqa: E402
+from launch import ROOT, kill_group, run  # noqa: E402
 
 FAKE_SRC = os.path.join(HERE, "nccl_fake")
 SCENARIOS = os.path.join(FAKE_SRC, "scenarios.py")
@@ -365,3 +368,34 @@ def test_version_mismatch_between_ranks(fakes):
     assert "rank 1 uses NCCL 2.21.5 but rank 0 uses NCCL 2.20.5" in msg
     cls, msg = r["pyddp"]
     assert cls == "VersionMismatchError" and "rank 1 runs pyddp 0.0.1" in msg
+
+
+def test_wait_after_clean_destroy(fakes):
+    r = scenario("wait_after_destroy", fakes)
+    assert r["wait"] is None
+    assert r["after"][0] == "DistError" and "not initialized" in r["after"][1]
+
+
+def test_ctrl_c_aborts_a_hung_collective(fakes):
+    if os.path.exists(fakes["log"]):
+        os.unlink(fakes["log"])
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FAKE_CUDA_HANG="1",
+               PYDDP_NCCL_LIBRARY=fakes["nccl"], PYDDP_CUDART_LIBRARY=fakes["cudart"],
+               FAKE_LOG=fakes["log"])
+    p = subprocess.Popen([sys.executable, SCENARIOS, "interrupt"], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        assert ready and p.stdout.readline().strip() == "READY"
+        time.sleep(0.5)
+        os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        kill_group(p.pid)
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, out + err
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["got"] == "KeyboardInterrupt" and r["seconds"] < 30
+    assert "ncclCommAbort" in r["log"]
+    assert r["after"][0] == "DistBackendError" and "interrupted" in r["after"][1]

@@ -209,7 +209,7 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
         e = api->cudaEventRecord(w->done, c->stream);
     }
     if (e != DDP_CU_SUCCESS) {
-        ddp_nccl_fail_locked(c, DDP_ERR_SYS, "%s: %s failed: %s", d, what,
+        ddp_nccl_fail_locked(c, DDP_ERR_ABORTED, "%s: %s failed: %s", d, what,
                              api->cudaGetErrorString(e));
         return ddp_error(c->broken_st, "%s", c->broken_msg);
     }

@@ -47,6 +47,13 @@ const char *ddp_nccl_errtext(const ddp_nccl_comm *c, ddp_nc_result r, char *buf,
     return buf;
 }
 
+/* The status for a failed NCCL result: network-ish failures (a peer gone,
+ * a socket error) become DistNetworkError, the rest DistBackendError. */
+static ddp_status nc_status(ddp_nc_result r) {
+    return r == 2 /* ncclSystemError */ || r == 6 /* ncclRemoteError */ ? DDP_ERR_CLOSED
+                                                                        : DDP_ERR_ABORTED;
+}
+
 static void vfail_locked(ddp_nccl_comm *c, ddp_status st, const char *fmt, va_list ap) {
     if (atomic_load(&c->broken)) return;
     vsnprintf(c->broken_msg, sizeof c->broken_msg, fmt, ap);
@@ -102,7 +109,7 @@ ddp_status ddp_nccl_settle_locked(ddp_nccl_comm *c, ddp_nc_result r, const char 
         if (c->api->ncclCommGetAsyncError(c->nc, &r) != DDP_NC_SUCCESS) break;
     }
     if (r != DDP_NC_SUCCESS && r != DDP_NC_IN_PROGRESS && c->nc)
-        ddp_nccl_fail_locked(c, DDP_ERR_CLOSED, "%s failed: %s. Another rank probably failed "
+        ddp_nccl_fail_locked(c, nc_status(r), "%s failed: %s. Another rank probably failed "
                              "or exited; check its output", what,
                              ddp_nccl_errtext(c, r, e, sizeof e));
     if (atomic_load(&c->broken)) return ddp_error(c->broken_st, "%s", c->broken_msg);
@@ -220,7 +227,7 @@ static ddp_status init_nccl(ddp_nccl_comm *c, ddp_nc_uid uid, ddp_wait w) {
         ddp_nccl_errtext(c, r, e, sizeof e);
         c->nc = NULL;
         if (nc) api->ncclCommAbort(nc);
-        return ddp_error(DDP_ERR_SYS, "rank %d: creating the NCCL communicator on cuda:%d "
+        return ddp_error(nc_status(r), "rank %d: creating the NCCL communicator on cuda:%d "
                          "failed: %s. NCCL refuses two ranks on one GPU: check that each "
                          "process uses its own device (LOCAL_RANK)", c->rank, c->device, e);
     }
@@ -312,8 +319,12 @@ void ddp_nccl_comm_destroy(ddp_nccl_comm *c, ddp_wait w) {
             ddp_nccl_nap(&us);
             if (c->api->ncclCommGetAsyncError(c->nc, &r) != DDP_NC_SUCCESS) break;
         }
-        if (r == DDP_NC_SUCCESS) c->api->ncclCommDestroy(c->nc);
-        else c->api->ncclCommAbort(c->nc);
+        if (r == DDP_NC_SUCCESS) {
+            c->api->ncclCommDestroy(c->nc);
+            atomic_store(&c->finalized, 1);   /* everything issued did complete */
+        } else {
+            c->api->ncclCommAbort(c->nc);
+        }
         c->nc = NULL;
     }
     if (!atomic_load(&c->broken)) {
@@ -373,7 +384,12 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
     char d[200], e[600];
     ddp_nccl_describe(c, w->kind, w->seq, w->count, w->dtype, d, sizeof d);
     if (atomic_load(&c->broken)) {
-        work_finish(w, c->broken_st, "%s did not complete: %s", d, c->broken_msg);
+        /* After a clean finalize the events are trustworthy; after a failure a
+         * completed event may belong to a kernel that gave up. */
+        if (atomic_load(&c->finalized) && api->cudaEventQuery(w->done) == DDP_CU_SUCCESS)
+            work_finish(w, DDP_OK, NULL);
+        else
+            work_finish(w, c->broken_st, "%s did not complete: %s", d, c->broken_msg);
         return 1;
     }
     /* NCCL's error state first: a failed collective's kernels exit early,
@@ -383,7 +399,7 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
         ddp_nc_result r = DDP_NC_SUCCESS;
         if (c->nc && api->ncclCommGetAsyncError(c->nc, &r) == DDP_NC_SUCCESS &&
             r != DDP_NC_SUCCESS && r != DDP_NC_IN_PROGRESS)
-            ddp_nccl_fail_locked(c, DDP_ERR_CLOSED, "%s failed: NCCL reported %s. Another rank "
+            ddp_nccl_fail_locked(c, nc_status(r), "%s failed: NCCL reported %s. Another rank "
                                  "probably failed or exited; check its output", d,
                                  ddp_nccl_errtext(c, r, e, sizeof e));
         pthread_mutex_unlock(&c->mu);
@@ -398,7 +414,7 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
         return 1;
     }
     if (q != DDP_CU_ERR_NOT_READY) {
-        ddp_nccl_fail(c, DDP_ERR_SYS, "%s failed on the GPU: %s (CUDA error %d)", d,
+        ddp_nccl_fail(c, DDP_ERR_ABORTED, "%s failed on the GPU: %s (CUDA error %d)", d,
                       api->cudaGetErrorString(q), q);
     } else if (ddp_now_ms() >= w->deadline_ms) {
         ddp_nccl_fail(c, DDP_ERR_TIMEOUT, "%s did not complete within its timeout of %.1f s; "

@@ -28,7 +28,8 @@ struct ddp_nccl_comm {
     size_t stage_len;
     uint64_t seq;                /* collectives issued, for messages (under mu) */
     atomic_int stop;             /* an abort is coming: in-progress polls bail out */
-    atomic_int broken;           /* 1 once failed: broken_st and broken_msg are final */
+    atomic_int broken;           /* 1 once failed or destroyed: broken_st/_msg are final */
+    atomic_int finalized;        /* destroyed after a successful ncclCommFinalize */
     ddp_status broken_st;
     char broken_msg[1024];
     atomic_int refs;             /* the owner + each unreleased work */

@@ -103,6 +103,30 @@ def collectives():
     return out
 
 
+def wait_after_destroy():
+    """A work that completed before a clean destroy still reports success."""
+    init()
+    x = np.ones(4, dtype=np.float32)
+    w = pyddp.all_reduce(FakeDevArray(x), async_op=True)
+    pyddp.destroy_process_group()
+    return {"wait": error(w.wait), "after": error(lambda: pyddp.all_reduce(FakeDevArray(x)))}
+
+
+def interrupt():
+    """Blocks in wait() on a collective that never completes, until SIGINT arrives."""
+    init(timeout_s=120.0)
+    x = np.ones(4, dtype=np.float32)
+    print("READY", flush=True)
+    t0 = time.monotonic()
+    try:
+        pyddp.all_reduce(FakeDevArray(x))
+        got = None
+    except KeyboardInterrupt:
+        got = "KeyboardInterrupt"
+    return {"got": got, "seconds": time.monotonic() - t0, "log": log_lines(),
+            "after": error(lambda: pyddp.all_reduce(FakeDevArray(x)))}
+
+
 def wrong_device():
     init()
     x = np.zeros(4, dtype=np.float32)
