@@ -4,7 +4,8 @@
  * memory" is host memory, copies are memcpy, events complete at once, and
  * every call is logged (fake_log.h). Environment knobs:
  *   FAKE_CUDA_DEVICES=n     devices reported (default 1; 0: no device)
- *   FAKE_CUDA_HANG=1        events recorded on streams made here never complete
+ *   FAKE_CUDA_HANG=1        events recorded on streams made here do not complete
+ *                           (until an NCCL abort clears the variable)
  *   FAKE_PTR_DEVICE=d       device that cudaPointerGetAttributes reports
  * Built with -DFAKE_OLD_DRIVER it plays a runtime too new for the driver.
  * Never shipped: tests/test_nccl_nogpu.py compiles it into a temp folder.
@@ -73,7 +74,11 @@ int cudaEventRecord(void *e, void *s) {
     ((fake_event *)e)->hang = fake_env_int("FAKE_CUDA_HANG", 0) && made_here(s);
     return 0;
 }
-int cudaEventQuery(void *e) { return ((fake_event *)e)->hang ? 600 : 0; }
+/* A hung event completes once FAKE_CUDA_HANG is cleared (fake_nccl.c's
+ * ncclCommAbort does, as a real abort makes NCCL's kernels exit). */
+int cudaEventQuery(void *e) {
+    return ((fake_event *)e)->hang && fake_env_int("FAKE_CUDA_HANG", 0) ? 600 : 0;
+}
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags) {
     fake_log("cudaStreamWaitEvent stream=%p event=%p", s, e);
     return 0;
