@@ -284,6 +284,13 @@ class ArrayDDP(DistributedDataParallel):
         if not self.require_backward_grad_sync:
             return
         s = self._sync
+        missing = [s.names[i] for i, p in enumerate(self._params) if p.grad is None]
+        if missing and not s.dynamic_unused:
+            # All gradients are known up front, so fail before any communication.
+            raise _C.DistValueError(
+                f"DDP: rank {s.rank}: parameter(s) {missing} have no gradient (.grad is "
+                f"None); fill every .grad before sync_gradients(), or pass "
+                f"find_unused_parameters=True to treat them as unused (zero) this step")
         s.start()
         # Mark in the planned order (reverse registration), so each bucket's
         # all-reduce starts while the next one is still being filled.
