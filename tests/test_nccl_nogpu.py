@@ -282,7 +282,8 @@ def test_collectives_through_fakes(fakes):
     assert r["all_gather_object"] == [{"rank": 0, "v": [1, 2]}]
     assert r["async"] == [True, True, True]
     assert r["bool_avg"][0] == "DistTypeError" and "AVG" in r["bool_avg"][1]
-    assert r["mixed"][0] == "DistValueError" and "must both be GPU arrays or both host arrays" in r["mixed"][1]
+    assert r["mixed"][0] == "DistValueError"
+    assert "must both be GPU arrays or both host arrays" in r["mixed"][1]
     assert r["device"] == 0
     log = r["log"]
     init = next(x for x in log if x.startswith("ncclCommInitRankConfig"))
@@ -340,7 +341,8 @@ def test_timeout_aborts_and_raises(fakes):
     r = scenario("hang", fakes, FAKE_CUDA_HANG=1)
     cls, msg = r["error"]
     assert cls == "DistTimeoutError"
-    assert "NCCL all_reduce #1 (4 x float32) on rank 0 (cuda:0) did not complete within its timeout of 1.0 s" in msg
+    assert ("NCCL all_reduce #1 (4 x float32) on rank 0 (cuda:0) did not complete within its "
+            "timeout of 1.0 s") in msg
     assert "same collectives in the same order" in msg
     assert 0.9 < r["seconds"] < 30
     assert "ncclCommAbort" in r["log"]

@@ -82,14 +82,19 @@ const char *ddp_nccl_version_str(int code, char *buf, size_t len) {
     return buf;
 }
 
+/* dlopen one candidate; a failure is reported unless it was only a check for
+ * an already loaded library (RTLD_NOLOAD). */
+static void *open_candidate(const ddp_lib_candidate *c, int flags, report *r) {
+    void *h = dlopen(c->path, flags);
+    if (h == NULL && !(flags & RTLD_NOLOAD)) report_add(r, c, "%s", dlerror());
+    return h;
+}
+
 /* Try one NCCL candidate; on success fills the NCCL half of api and info. */
 static int try_nccl(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, report *r,
                     void **handle) {
-    void *h = dlopen(c->path, flags);
-    if (h == NULL) {
-        if (!(flags & RTLD_NOLOAD)) report_add(r, c, "%s", dlerror());
-        return 0;
-    }
+    void *h = open_candidate(c, flags, r);
+    if (h == NULL) return 0;
     const char *missing = resolve(h, NCCL_SYMS, sizeof NCCL_SYMS / sizeof NCCL_SYMS[0], api);
     int version = 0;
     if (missing == NULL && api->ncclGetVersion(&version) != DDP_NC_SUCCESS) version = 0;
@@ -117,11 +122,8 @@ static int try_nccl(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, re
  * and info (device count included). */
 static int try_cudart(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, report *r,
                       void **handle) {
-    void *h = dlopen(c->path, flags);
-    if (h == NULL) {
-        if (!(flags & RTLD_NOLOAD)) report_add(r, c, "%s", dlerror());
-        return 0;
-    }
+    void *h = open_candidate(c, flags, r);
+    if (h == NULL) return 0;
     const char *missing = resolve(h, CUDART_SYMS, sizeof CUDART_SYMS / sizeof CUDART_SYMS[0], api);
     if (missing != NULL) {
         report_add(r, c, "loaded, but it is not the CUDA runtime (no symbol %s)", missing);

@@ -87,7 +87,8 @@ ddp_status ddp_nccl_validate(const ddp_nccl_comm *c, const ddp_coll_args *a) {
     case DDP_COLL_SCATTER: bad = !a->recvbuf || (root_side && !a->sendbuf); break;
     default: bad = !a->buf; break;
     }
-    if (bad) return ddp_error(DDP_ERR_INVALID, "%s: a buffer of %zu elements is NULL", nm, a->count);
+    if (bad)
+        return ddp_error(DDP_ERR_INVALID, "%s: a buffer of %zu elements is NULL", nm, a->count);
     return DDP_OK;
 }
 
@@ -97,7 +98,8 @@ ddp_status ddp_nccl_pointer_device(const ddp_nccl_comm *c, const void *ptr,
     memset(&at, 0, sizeof at);
     ddp_cu_err e = c->api->cudaPointerGetAttributes(&at, ptr);
     if (e != DDP_CU_SUCCESS || (at.type != DDP_CU_MEM_DEVICE && at.type != DDP_CU_MEM_MANAGED))
-        return ddp_error(DDP_ERR_INVALID, "%s does not point to GPU memory (CUDA memory type %d%s%s)",
+        return ddp_error(DDP_ERR_INVALID, "%s does not point to GPU memory (CUDA memory type "
+                         "%d%s%s)",
                          argname, at.type, e ? ": " : "", e ? c->api->cudaGetErrorString(e) : "");
     *device = at.device;
     return DDP_OK;
@@ -150,7 +152,8 @@ static ddp_nc_result call_nccl(ddp_nccl_comm *c, const ddp_coll_args *a, int nt,
     ddp_cu_stream s = c->stream;
     switch (a->kind) {
     case DDP_COLL_ALLREDUCE: return api->ncclAllReduce(a->buf, a->buf, a->count, nt, no, nc, s);
-    case DDP_COLL_BROADCAST: return api->ncclBroadcast(a->buf, a->buf, a->count, nt, a->root, nc, s);
+    case DDP_COLL_BROADCAST:
+        return api->ncclBroadcast(a->buf, a->buf, a->count, nt, a->root, nc, s);
     case DDP_COLL_REDUCE: return api->ncclReduce(a->buf, a->buf, a->count, nt, no, a->root, nc, s);
     case DDP_COLL_ALLGATHER: return api->ncclAllGather(a->sendbuf, a->recvbuf, a->count, nt, nc, s);
     case DDP_COLL_REDUCE_SCATTER:

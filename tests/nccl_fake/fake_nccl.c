@@ -22,7 +22,9 @@ typedef struct { char internal[128]; } fake_uid;
 static const size_t TYPE_SIZE[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
 
 int ncclGetVersion(int *v) { *v = fake_env_int("FAKE_NCCL_VERSION", 22005); return 0; }
-const char *ncclGetErrorString(int r) { return r == 6 ? "remote process exited" : "fake NCCL error"; }
+const char *ncclGetErrorString(int r) {
+    return r == 6 ? "remote process exited" : "fake NCCL error";
+}
 const char *ncclGetLastError(void *c) { return "fake last error"; }
 int ncclGetUniqueId(fake_uid *u) {
     fake_log("ncclGetUniqueId");
