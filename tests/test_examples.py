@@ -1,0 +1,55 @@
+"""The examples run as documented: examples/train.py (the README's main job) under
+torchrun trains with falling loss, logs per epoch, checkpoints and reaches a useful
+accuracy, then resumes under the deprecated torch.distributed.launch (which passes
+--local-rank); examples/from_torch_ddp.py runs, and differs from the torch script it
+claims to port only in its three import lines (the torch version runs too)."""
+import re
+
+from launch import PY, ROOT, run, torchrun
+
+TRAIN = f"{ROOT}/examples/train.py"
+PORTED = f"{ROOT}/examples/from_torch_ddp.py"
+SWAPS = [("import pyddp as dist", "import torch.distributed as dist"),
+         ("from pyddp import DistributedDataParallel as DDP",
+          "from torch.nn.parallel import DistributedDataParallel as DDP"),
+         ("from pyddp import DistributedSampler",
+          "from torch.utils.data.distributed import DistributedSampler")]
+
+
+def test_train_checkpoint_and_resume(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    res = torchrun(TRAIN, 2, args=["--checkpoint-dir", ckpt], timeout=120)
+    out = res.output
+    assert res.returncode == 0, out[-6000:]
+    losses = [float(x) for x in re.findall(r"epoch \d+/5  loss (\S+)  samples/s [\d,]+", out)]
+    assert len(losses) == 5 and losses[-1] < 0.6 * losses[0], out[-3000:]
+    acc = float(re.search(r"final accuracy (\S+) on 4096 test samples", out).group(1))
+    assert acc > 0.85, out[-3000:]
+    assert (tmp_path / "ckpt" / "latest.pt").exists()
+
+    # torch.distributed.launch appends --local-rank=N to the script's arguments
+    cmd = [PY, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node=2", TRAIN,
+           "--checkpoint-dir", ckpt, "--resume", "--epochs", "6"]
+    res = run(cmd, timeout=120)
+    out = res.output
+    assert res.returncode == 0, out[-6000:]
+    assert "resumed from" in out and "after epoch 5" in out, out[-3000:]
+    assert re.findall(r"epoch (\d+)/6", out) == ["6"], out[-3000:]
+    resumed_loss = float(re.search(r"epoch 6/6  loss (\S+)", out).group(1))
+    assert resumed_loss < losses[0] * 0.6        # it continued, it did not start over
+
+
+def test_from_torch_ddp_differs_only_in_imports(tmp_path):
+    lines = open(PORTED).read().splitlines()
+    swaps = dict(SWAPS)
+    torch_lines = [swaps.get(line.split("#")[0].strip(), line) for line in lines]
+    changed = [a for a, b in zip(lines, torch_lines) if a != b]
+    assert len(changed) == 3, changed       # exactly the three imports, nothing else
+    torch_version = tmp_path / "torch_ddp.py"
+    torch_version.write_text("\n".join(torch_lines) + "\n")
+    for script in (PORTED, str(torch_version)):
+        res = torchrun(script, 2, timeout=120)
+        assert res.returncode == 0, res.output[-6000:]
+        for r in range(2):
+            assert f"Finished running DDP example on rank {r}." in res.output
+            assert f"rank {r}: checkpoint round trip done" in res.output
