@@ -1,7 +1,8 @@
 /* ddp_link_tcp.c - the TCP transport behind ddp_link: non-blocking
- * send(MSG_NOSIGNAL)/recv on one connected stream socket.
+ * send(MSG_NOSIGNAL)/recv (ddp_sock_send_some/recv_some) on one connected
+ * stream socket.
  *
- * Each progress call makes one system call; the generic drivers in
+ * Each progress call moves what the kernel takes now; the generic drivers in
  * ddp_link.c retry while bytes move and poll() the socket when they stop.
  * Shutdown uses shutdown(SHUT_RDWR), which is safe from any thread: the
  * peer sees EOF at once, and this rank's own pending poll()/recv() wake up.
@@ -9,15 +10,14 @@
  * reused under a thread still polling it.
  */
 #include "ddp_link.h"
+#include "ddp_sock.h"
 
-#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -29,48 +29,23 @@ typedef struct tcp_link {
     atomic_int shut; /* set by tcp_shutdown: later failures are ours, not the peer's */
 } tcp_link;
 
-/* Map a failed send/recv to a status and message. */
-static ddp_status tcp_fail(const tcp_link *t, const char *call, int err) {
-    if (atomic_load(&t->shut))
+/* The socket calls are ddp_sock's; a failure after this rank shut the link
+ * down is reported as this rank's abort, not as the peer's doing. */
+static ddp_status tcp_checked(const tcp_link *t, ddp_status st) {
+    if (st != DDP_OK && atomic_load(&t->shut))
         return ddp_error(DDP_ERR_ABORTED, "the link was shut down on this rank (the "
                          "communicator was aborted or broken by an earlier error)");
-    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN)
-        return ddp_error(DDP_ERR_CLOSED, "the peer closed the connection (%s: %s); it probably "
-                         "exited or failed, see its own error", call, strerror(err));
-    return ddp_error(DDP_ERR_SYS, "%s failed: %s", call, strerror(err));
+    return st;
 }
 
 static ddp_status tcp_send_some(ddp_link *l, const void *buf, size_t n, size_t *done) {
     tcp_link *t = l->impl;
-    for (;;) {
-        ssize_t k = send(t->fd, (const char *)buf + *done, n - *done, MSG_NOSIGNAL);
-        if (k >= 0) {
-            *done += (size_t)k;
-            return DDP_OK;
-        }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return DDP_OK;
-        return tcp_fail(t, "send", errno);
-    }
+    return tcp_checked(t, ddp_sock_send_some(t->fd, buf, n, done));
 }
 
 static ddp_status tcp_recv_some(ddp_link *l, void *buf, size_t n, size_t *done) {
     tcp_link *t = l->impl;
-    for (;;) {
-        ssize_t k = recv(t->fd, (char *)buf + *done, n - *done, 0);
-        if (k > 0) {
-            *done += (size_t)k;
-            return DDP_OK;
-        }
-        if (k == 0) {
-            if (atomic_load(&t->shut)) return tcp_fail(t, "recv", 0);
-            return ddp_error(DDP_ERR_CLOSED, "the peer closed the connection; it probably "
-                             "exited or failed, see its own error");
-        }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return DDP_OK;
-        return tcp_fail(t, "recv", errno);
-    }
+    return tcp_checked(t, ddp_sock_recv_some(t->fd, buf, n, done));
 }
 
 static int tcp_wait_fd(ddp_link *l) { return ((tcp_link *)l->impl)->fd; }
@@ -102,12 +77,11 @@ static const ddp_link_ops tcp_ops = {
  * large buffers. Failures (e.g. TCP_NODELAY on a Unix socket in tests) are
  * harmless, so they are ignored. */
 static void tcp_tune(int fd) {
-    int one = 1, bytes = TCP_LINK_BUF_BYTES;
+    int one = 1;
     int flags = fcntl(fd, F_GETFL);
-    if (flags >= 0) (void)fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    if (flags >= 0) (void)fcntl(fd, F_SETFL, flags | O_NONBLOCK); /* a blocking fd would hang */
     (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
-    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+    ddp_sock_set_bufsize(fd, TCP_LINK_BUF_BYTES);
 }
 
 ddp_link *ddp_link_tcp_new(int fd, int peer, const char *desc) {

@@ -94,8 +94,11 @@ typedef struct hwrap {
 
 static inline ddp_status hwrap_send(ddp_link *l, const void *buf, size_t n, size_t *done) {
     hwrap *h = l->impl;
-    if (h->budget == 0) ddp_link_shutdown(h->inner);
     size_t before = *done, lim = n - *done > h->budget ? *done + h->budget : n;
+    if (h->budget == 0) { /* spent: die, and let the inner link report it */
+        ddp_link_shutdown(h->inner);
+        lim = n;
+    }
     ddp_status st = h->inner->ops->send_some(h->inner, buf, lim, done);
     h->budget -= *done - before;
     return st;
