@@ -349,6 +349,15 @@ def test_timeout_aborts_and_raises(fakes):
     assert r["after"][0] == "DistTimeoutError"
 
 
+def test_launch_that_never_finishes_times_out(fakes):
+    r = scenario("hang", fakes, FAKE_NCCL_LAUNCH_HANG=1)
+    cls, msg = r["error"]
+    assert cls == "DistTimeoutError"
+    assert "NCCL all_reduce #1 (4 x float32) on rank 0 (cuda:0): NCCL did not finish " \
+           "launching it before the timeout" in msg
+    assert 0.9 < r["seconds"] < 30 and "ncclCommAbort" in r["log"]
+
+
 def test_setup_timeout_aborts(fakes):
     r = scenario("init_hang", fakes, FAKE_NCCL_INIT_HANG=1)
     cls, msg = r["error"]
@@ -378,12 +387,15 @@ def test_wait_after_clean_destroy(fakes):
     assert r["after"][0] == "DistError" and "not initialized" in r["after"][1]
 
 
-def test_ctrl_c_aborts_a_hung_collective(fakes):
+@pytest.mark.parametrize("where", ["FAKE_CUDA_HANG", "FAKE_NCCL_LAUNCH_HANG"])
+def test_ctrl_c_aborts_a_hung_collective(fakes, where):
+    """Ctrl-C while waiting for the GPU, or while NCCL is still launching."""
     if os.path.exists(fakes["log"]):
         os.unlink(fakes["log"])
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FAKE_CUDA_HANG="1",
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
                PYDDP_NCCL_LIBRARY=fakes["nccl"], PYDDP_CUDART_LIBRARY=fakes["cudart"],
                FAKE_LOG=fakes["log"])
+    env[where] = "1"
     p = subprocess.Popen([sys.executable, SCENARIOS, "interrupt"], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)

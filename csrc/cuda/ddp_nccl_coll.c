@@ -171,7 +171,8 @@ static ddp_nc_result call_nccl(ddp_nccl_comm *c, const ddp_coll_args *a, int nt,
  * completion event. Breaks the communicator if NCCL was entered and the
  * sequence could not be completed (ranks would disagree on what ran). */
 static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
-                               uintptr_t producer, const stage_plan *plan, ddp_nccl_work *w) {
+                               uintptr_t producer, const stage_plan *plan,
+                               const ddp_nccl_interrupt *intr, ddp_nccl_work *w) {
     const ddp_cuda_api *api = c->api;
     char d[200];
     ddp_nccl_describe(c, a->kind, c->seq + 1, a->count, a->dtype, d, sizeof d);
@@ -200,7 +201,7 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
         return ddp_error(DDP_ERR_SYS, "%s: %s failed: %s", d, what, api->cudaGetErrorString(e));
     w->seq = ++c->seq;
     st = ddp_nccl_settle_locked(c, call_nccl(c, a, nt, no), d,
-                                (ddp_wait){w->deadline_ms, NULL});
+                                (ddp_wait){w->deadline_ms, NULL}, intr);
     if (st != DDP_OK) return st;
     if (plan && plan->out_bytes) {
         what = "copying the result from the GPU";
@@ -221,7 +222,7 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
 
 static ddp_status submit_plan(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
                               uintptr_t producer, const stage_plan *plan, int64_t timeout_ms,
-                              ddp_nccl_work **out) {
+                              const ddp_nccl_interrupt *intr, ddp_nccl_work **out) {
     *out = NULL;
     ddp_status st = ddp_nccl_use_device(c);
     if (st != DDP_OK) return st;
@@ -230,7 +231,7 @@ static ddp_status submit_plan(ddp_nccl_comm *c, const ddp_coll_args *a, int has_
         return ddp_error(DDP_ERR_NOMEM, "rank %d: could not create a CUDA event for %s",
                          c->rank, ddp_coll_name(a->kind));
     pthread_mutex_lock(&c->mu);
-    st = issue_locked(c, a, has_producer, producer, plan, w);
+    st = issue_locked(c, a, has_producer, producer, plan, intr, w);
     pthread_mutex_unlock(&c->mu);
     if (st != DDP_OK) {
         char msg[1536];
@@ -243,9 +244,12 @@ static ddp_status submit_plan(ddp_nccl_comm *c, const ddp_coll_args *a, int has_
 }
 
 ddp_status ddp_nccl_submit(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
-                           uintptr_t producer, int64_t timeout_ms, ddp_nccl_work **out) {
-    return submit_plan(c, a, has_producer, producer, NULL, timeout_ms, out);
+                           uintptr_t producer, int64_t timeout_ms,
+                           const ddp_nccl_interrupt *intr, ddp_nccl_work **out) {
+    return submit_plan(c, a, has_producer, producer, NULL, timeout_ms, intr, out);
 }
+
+static int flag_set(void *flag) { return flag && atomic_load((const atomic_int *)flag); }
 
 /* ---- host staging -------------------------------------------------------- */
 
@@ -318,7 +322,8 @@ ddp_status ddp_nccl_run_host(ddp_nccl_comm *c, const ddp_coll_args *a, int64_t t
     if (a->sendbuf) da.sendbuf = dd;
     if (a->recvbuf) da.recvbuf = dd + out_off;
     ddp_nccl_work *w = NULL;
-    st = submit_plan(c, &da, 0, 0, &plan, timeout_ms, &w);
+    ddp_nccl_interrupt intr = {flag_set, (void *)abort};
+    st = submit_plan(c, &da, 0, 0, &plan, timeout_ms, &intr, &w);
     if (st == DDP_OK) {
         st = ddp_nccl_work_wait(w, (ddp_wait){w->deadline_ms, abort});
         if (st == DDP_ERR_ABORTED && !ddp_nccl_work_done(w)) {

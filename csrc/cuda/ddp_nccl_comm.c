@@ -91,18 +91,24 @@ void ddp_nccl_comm_abort(ddp_nccl_comm *c, const char *reason) {
 }
 
 ddp_status ddp_nccl_settle_locked(ddp_nccl_comm *c, ddp_nc_result r, const char *what,
-                                  ddp_wait w) {
+                                  ddp_wait w, const ddp_nccl_interrupt *intr) {
     char e[600];
     int us = 20;
+    int64_t next_check = ddp_now_ms() + DDP_WAIT_SLICE_MS;
     while (r == DDP_NC_IN_PROGRESS) {
         if (atomic_load(&c->stop)) break;
-        if (ddp_wait_expired(w) || ddp_wait_aborted(w)) {
-            ddp_nccl_fail_locked(c, ddp_wait_aborted(w) ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT,
+        int interrupted = ddp_wait_aborted(w);
+        if (!interrupted && intr && ddp_now_ms() >= next_check) {
+            interrupted = intr->check(intr->ctx);
+            next_check = ddp_now_ms() + DDP_WAIT_SLICE_MS;
+        }
+        if (ddp_wait_expired(w) || interrupted) {
+            ddp_nccl_fail_locked(c, interrupted ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT,
                 "%s: NCCL did not finish launching it before the %s; the communicator was "
                 "aborted. A peer is probably unreachable or stuck: check that every rank "
                 "is alive and that the nodes can reach each other (NCCL_SOCKET_IFNAME, "
                 "firewall; NCCL_DEBUG=INFO shows details)", what,
-                ddp_wait_aborted(w) ? "wait was interrupted" : "timeout");
+                interrupted ? "wait was interrupted" : "timeout");
             break;
         }
         ddp_nccl_nap(&us);

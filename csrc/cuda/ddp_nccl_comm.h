@@ -72,13 +72,22 @@ ddp_status ddp_nccl_validate(const ddp_nccl_comm *c, const ddp_coll_args *a);
 ddp_status ddp_nccl_pointer_device(const ddp_nccl_comm *c, const void *ptr,
                                    const char *argname, int *device);
 
+/* Asked about every DDP_WAIT_SLICE_MS while NCCL is still launching a
+ * collective (ncclInProgress: connection set-up can wait for a missing
+ * peer); returning nonzero aborts the communicator. */
+typedef struct ddp_nccl_interrupt {
+    int (*check)(void *ctx);
+    void *ctx;
+} ddp_nccl_interrupt;
+
 /* Enqueue a validated collective on device buffers. has_producer: order it
  * after the work already queued on `producer` (a cudaStream_t value; 0 is
  * the legacy default stream). timeout_ms < 0 uses the communicator's.
- * On success *out is a work the caller must release; the buffers must stay
- * allocated until the work is finished. */
+ * intr may be NULL. On success *out is a work the caller must release; the
+ * buffers must stay allocated until the work is finished. */
 ddp_status ddp_nccl_submit(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
-                           uintptr_t producer, int64_t timeout_ms, ddp_nccl_work **out);
+                           uintptr_t producer, int64_t timeout_ms,
+                           const ddp_nccl_interrupt *intr, ddp_nccl_work **out);
 
 /* Run a validated collective on host buffers to completion, staging it
  * through device memory; bounded by the timeout and the abort flag. */

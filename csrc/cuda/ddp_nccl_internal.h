@@ -61,10 +61,11 @@ void ddp_nccl_fail_locked(ddp_nccl_comm *c, ddp_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* An NCCL call on c returned r (mu held). Wait while it is in progress,
- * until w ends or `stop` is set; on error break the communicator. Returns
- * DDP_OK once the call took effect, else the communicator's failure. */
+ * until w ends, intr (may be NULL) says to stop, or `stop` is set; on error
+ * break the communicator. Returns DDP_OK once the call took effect, else the
+ * communicator's failure. */
 ddp_status ddp_nccl_settle_locked(ddp_nccl_comm *c, ddp_nc_result r, const char *what,
-                                  ddp_wait w);
+                                  ddp_wait w, const ddp_nccl_interrupt *intr);
 
 /* "NCCL all_reduce #12 (1024 x float32) on rank 3 (cuda:3)" into buf. */
 const char *ddp_nccl_describe(const ddp_nccl_comm *c, ddp_coll_kind k, uint64_t seq,

@@ -221,6 +221,23 @@ static void host_run(void *p) {
     if (h->st != DDP_OK) ddp_copy_error(h->msg, sizeof h->msg);
 }
 
+/* Lets a slow NCCL launch (GIL released) run Python's signal handlers: the
+ * submitting thread takes the GIL back for a moment; a raised exception is
+ * kept for submit to re-raise, and aborts the launch. */
+typedef struct {
+    PyThreadState *ts;
+    PyObject *et, *ev, *tb;
+} sig_check;
+
+static int check_signals(void *p) {
+    sig_check *s = p;
+    if (s->et != NULL) return 1;
+    PyEval_RestoreThread(s->ts);
+    if (PyErr_CheckSignals() < 0) PyErr_Fetch(&s->et, &s->ev, &s->tb);
+    s->ts = PyEval_SaveThread();
+    return s->et != NULL;
+}
+
 static NWorkObject *new_work(void) {
     NWorkObject *w = PyObject_New(NWorkObject, NWorkType);
     if (w == NULL) return NULL;
@@ -312,10 +329,17 @@ static PyObject *npg_submit(NPGObject *self, PyObject *args, PyObject *kw) {
     ddp_status st;
     ddp_nccl_work *nw = NULL;
     ddp_nccl_comm_retain(c);
-    Py_BEGIN_ALLOW_THREADS
-    st = ddp_nccl_submit(c, &ca, has_stream, stream, timeout_ms, &nw);
+    sig_check sc = {NULL, NULL, NULL, NULL};
+    ddp_nccl_interrupt intr = {check_signals, &sc};
+    sc.ts = PyEval_SaveThread();
+    st = ddp_nccl_submit(c, &ca, has_stream, stream, timeout_ms, &intr, &nw);
     ddp_nccl_comm_release(c);
-    Py_END_ALLOW_THREADS
+    PyEval_RestoreThread(sc.ts);
+    if (sc.et != NULL) {   /* Ctrl-C while NCCL was launching: the group is aborted */
+        Py_DECREF(w);
+        PyErr_Restore(sc.et, sc.ev, sc.tb);
+        return NULL;
+    }
     if (st != DDP_OK) {
         Py_DECREF(w);
         return ddp_py_raise(st, NULL);

@@ -7,6 +7,7 @@
  *   FAKE_NCCL_VERSION=code   ncclGetVersion's answer (default 22005)
  *   FAKE_NCCL_INIT_HANG=1    set-up stays in progress forever
  *   FAKE_NCCL_INPROGRESS=1   every launch is "in progress" for two polls
+ *   FAKE_NCCL_LAUNCH_HANG=1  every launch stays "in progress"
  *   FAKE_NCCL_ASYNC_ERROR_AT=k  from the k-th collective on, the
  *                            communicator reports ncclRemoteError
  *   FAKE_NCCL_UID_FAIL=1     ncclGetUniqueId fails
@@ -65,6 +66,11 @@ int ncclCommAbort(fake_comm *c) {
 static int launched(fake_comm *c) {
     int at = fake_env_int("FAKE_NCCL_ASYNC_ERROR_AT", 0);
     if (at > 0 && ++c->ncoll >= at) c->async = 6;   /* ncclRemoteError */
+    if (fake_env_int("FAKE_NCCL_LAUNCH_HANG", 0)) {
+        c->async = 7;   /* in progress for good, like a peer that never connects */
+        c->hang = 1;
+        return 7;
+    }
     if (c->async == 0 && fake_env_int("FAKE_NCCL_INPROGRESS", 0)) {
         c->async = 7;
         c->polls = 2;
