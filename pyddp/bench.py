@@ -70,7 +70,8 @@ def parse_args(argv):
                    help="also run torch's gloo backend in the same processes, interleaved")
     p.add_argument("--tcp-stream", action="store_true",
                    help="measure one plain TCP stream rank 1 -> rank 0 first (yardstick)")
-    p.add_argument("--stream-bytes", type=parse_size, default=1 << 30)
+    p.add_argument("--stream-bytes", type=parse_size, default=1 << 30,
+                   help="bytes the TCP stream moves (1G)")
     a = p.parse_args(argv)
     a.ops = [o.strip() for o in a.ops.split(",") if o.strip()]
     bad = [o for o in a.ops if o not in OPS]
@@ -321,12 +322,15 @@ def header(args, world, compare, stream):
         lines.append(f"# single TCP stream rank 1 -> rank 0: {stream:.3f} GB/s")
     cols = f"{'collective':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}"
     side = f" {'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+    pct = " %stream" if stream else ""
     if compare:
-        lines.append(f"#{'':60}|{'pyddp':^32}|{'gloo':^32}|")
-        lines.append("#" + cols[1:] + " |" + side + " |" + side + " | " + "ratio")
+        lines.append(f"#{'':58} |{'pyddp':^33}|{'gloo':^33}|")
+        lines.append("#" + cols[1:] + " |" + side + " |" + side + " |  ratio" + pct)
+        lines.append(f"#{'':58} |{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}{'':7}|"
+                     f"{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}")
     else:
-        lines.append("#" + cols[1:] + side + (" %stream" if stream else ""))
-    lines.append(f"#{'':60}{'':11}{'(GB/s)':>8}{'(GB/s)':>8}")
+        lines.append("#" + cols[1:] + side + pct)
+        lines.append(f"#{'':58}{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}")
     return "\n".join(lines)
 
 
@@ -372,8 +376,8 @@ def row(case, times, wrong, backends, world, stream):
         s += (" |" if len(backends) > 1 else "") + \
             f" {t * 1e6:>10.1f} {alg:>7.3f} {bus[b]:>7.3f} {int(wrong[i]):>6}"
     if len(backends) > 1:
-        s += f" | {bus['pyddp'] / bus['gloo']:>5.2f}x" if bus["gloo"] > 0 else " |     -"
-    elif stream:
+        s += f" | {bus['pyddp'] / bus['gloo']:>5.2f}x" if bus["gloo"] > 0 else " |      -"
+    if stream:
         s += f" {100 * bus['pyddp'] / stream:>6.0f}%"
     return s
 

@@ -9,10 +9,13 @@ Needs root and iproute2. Addresses come from 10.213.0.0/16, one /30 per pair of
 namespaces, chosen from the process id so that concurrent runs do not collide; the
 namespaces (and with them the veth pair) are deleted on exit, also after errors.
 """
+import collections
 import contextlib
 import os
 import shutil
 import subprocess
+
+Host = collections.namedtuple("Host", "ns addr ifname")
 
 
 class NetnsUnavailable(RuntimeError):
@@ -27,8 +30,9 @@ def _ip(*args):
 
 @contextlib.contextmanager
 def two_hosts():
-    """Yield ((ns_a, addr_a), (ns_b, addr_b)): two namespaces with loopback up and a veth
-    link between them. Raises NetnsUnavailable before creating anything it cannot."""
+    """Yield (Host a, Host b): two namespaces with loopback up and a veth link between
+    them (Host: namespace name, its address, its veth interface). Raises
+    NetnsUnavailable when they cannot be made; whatever was made is removed."""
     if os.geteuid() != 0:
         raise NetnsUnavailable("network namespaces need root")
     if shutil.which("ip") is None:
@@ -49,7 +53,7 @@ def two_hosts():
         for n, v, a in zip(ns, veth, addr):
             _ip("-n", n, "addr", "add", f"{a}/30", "dev", v)
             _ip("-n", n, "link", "set", v, "up")
-        yield (ns[0], addr[0]), (ns[1], addr[1])
+        yield Host(ns[0], addr[0], veth[0]), Host(ns[1], addr[1], veth[1])
     finally:
         for n in made:
             subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=20)

@@ -65,10 +65,10 @@ def test_mixed_hosts_through_network_namespaces(layout):
     ws = len(layout)
     try:
         with two_hosts() as hosts:
-            ns = {"A": hosts[0], "B": hosts[1]}
+            host = {"A": hosts[0], "B": hosts[1]}
             results, out, pids = run_worker(
-                ws, "--layout", layout, master_addr=ns["A"][1],
-                prefix=lambda r: exec_prefix(ns[layout[r]][0]))
+                ws, "--layout", layout, master_addr=host["A"].addr,
+                prefix=lambda r: exec_prefix(host[layout[r]].ns))
     except NetnsUnavailable as e:
         pytest.skip(f"mixed layouts need network namespaces: {e}")
     assert_pass(results, out, ws)
