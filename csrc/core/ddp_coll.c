@@ -165,10 +165,12 @@ static ddp_status run_large(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
 }
 
 ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    const ddp_coll_hdr h = ddp_coll_hdr_make(g, a);
+    const int small = a->kind == DDP_COLL_BARRIER || call_bytes(g, a) <= g->small_bytes;
+    const ddp_coll_hdr h =
+        ddp_coll_hdr_make(g, a, small ? DDP_COLL_PATH_SMALL : DDP_COLL_PATH_LARGE);
     ddp_status st;
     if (!is_p2p(a->kind)) g->seq++; /* send/recv involve two ranks only */
-    if (a->kind == DDP_COLL_BARRIER || call_bytes(g, a) <= g->small_bytes) {
+    if (small) {
         st = ddp_coll_small(g, a, &h, w);
     } else {
         ddp_coll_xchg x = {.peer = is_p2p(a->kind) ? a->root : -1, .sto = -1, .rfrom = -1};

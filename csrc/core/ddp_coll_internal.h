@@ -17,14 +17,19 @@
 #define DDP_COLL_HDR_BYTES 32
 #define DDP_COLL_DEFAULT_CHUNK (1u << 20)
 
+/* Which algorithm family a rank chose (from its small_bytes): ranks that
+ * disagree would misread each other's streams, so it is in the header. */
+#define DDP_COLL_PATH_SMALL 1
+#define DDP_COLL_PATH_LARGE 2
+
 /* The header every collective exchanges, in host form. On the wire it is
  * these fields in this order, little-endian, 32 bytes. Fields that do not
  * apply to a kind are zero (op outside reductions, root outside rooted
- * kinds, everything but kind and seq for barrier), so headers compare
- * field by field. */
+ * kinds, everything but kind, path and seq for barrier), so headers
+ * compare field by field. */
 typedef struct ddp_coll_hdr {
     uint32_t magic;
-    uint8_t kind, dtype, op, reserved;
+    uint8_t kind, dtype, op, path;
     int32_t root;    /* root, or the peer for send/recv */
     uint32_t rank;   /* sender */
     uint64_t count;
@@ -64,8 +69,8 @@ static inline int ddp_coll_is_half(ddp_dtype t) {
     return t == DDP_FLOAT16 || t == DDP_BFLOAT16;
 }
 
-/* The header this rank sends for a (validated) call. */
-ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a);
+/* The header this rank sends for a (validated) call taking `path`. */
+ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path);
 /* "all_reduce(count=10, float32, sum)" for a header, into buf. */
 void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len);
 

@@ -41,7 +41,7 @@ static void hdr_encode(const ddp_coll_hdr *h, unsigned char *out) {
     out[4] = h->kind;
     out[5] = h->dtype;
     out[6] = h->op;
-    out[7] = h->reserved;
+    out[7] = h->path;
     put32(out + 8, (uint32_t)h->root);
     put32(out + 12, h->rank);
     put64(out + 16, h->count);
@@ -53,15 +53,15 @@ static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
     h->kind = in[4];
     h->dtype = in[5];
     h->op = in[6];
-    h->reserved = in[7];
+    h->path = in[7];
     h->root = (int32_t)get32(in + 8);
     h->rank = get32(in + 12);
     h->count = get64(in + 16);
     h->seq = get64(in + 24);
 }
 
-ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a) {
-    ddp_coll_hdr h = {.magic = DDP_COLL_MAGIC, .kind = (uint8_t)a->kind,
+ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path) {
+    ddp_coll_hdr h = {.magic = DDP_COLL_MAGIC, .kind = (uint8_t)a->kind, .path = (uint8_t)path,
                       .rank = (uint32_t)g->rank, .seq = g->seq};
     if (a->kind == DDP_COLL_BARRIER) return h;
     h.dtype = (uint8_t)a->dtype;
@@ -125,15 +125,18 @@ static ddp_status mismatch(int ra, const ddp_coll_hdr *a, int rb, const ddp_coll
     }
     ddp_coll_describe(a, da, sizeof da);
     ddp_coll_describe(b, db, sizeof db);
-    if (same_call(a, b))
-        return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d is at collective #%llu, "
-                         "%s, but rank %d is at collective #%llu, %s; every rank must make the "
-                         "same collective calls in the same order", ra,
-                         (unsigned long long)a->seq + 1, da, rb, (unsigned long long)b->seq + 1,
-                         db);
-    return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s but rank %d "
-                     "called %s; every rank must make the same collective calls (same count, "
-                     "dtype, op and root) in the same order", ra, da, rb, db);
+    if (!same_call(a, b))
+        return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s but rank %d "
+                         "called %s; every rank must make the same collective calls (same count, "
+                         "dtype, op and root) in the same order", ra, da, rb, db);
+    if (a->path != b->path)
+        return ddp_error(DDP_ERR_MISMATCH, "ranks %d and %d chose different algorithms for %s: "
+                         "the small-message threshold (PYDDP_SMALL_BYTES) must be the same on "
+                         "every rank", ra, rb, da);
+    return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d is at collective #%llu, "
+                     "%s, but rank %d is at collective #%llu, %s; every rank must make the same "
+                     "collective calls in the same order", ra, (unsigned long long)a->seq + 1, da,
+                     rb, (unsigned long long)b->seq + 1, db);
 }
 
 /* Collectives: compare every rank's header with rank 0's, so that every rank
@@ -149,7 +152,8 @@ static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
         want.kind = mine->kind == DDP_COLL_SEND ? DDP_COLL_RECV : DDP_COLL_SEND;
         want.root = g->rank;
         want.seq = h.seq; /* send/recv do not advance the sequence */
-        return same_call(&want, &h) ? DDP_OK : mismatch(g->rank, mine, x->peer, &h);
+        return same_call(&want, &h) && want.path == h.path ? DDP_OK
+                                                          : mismatch(g->rank, mine, x->peer, &h);
     }
     for (int p = 0; p < g->size; p++) {
         if (p == g->rank)
@@ -158,7 +162,7 @@ static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
             return st;
         if (p == 0)
             first = h;
-        else if (!same_call(&first, &h) || first.seq != h.seq)
+        else if (!same_call(&first, &h) || first.path != h.path || first.seq != h.seq)
             return mismatch(0, &first, p, &h);
     }
     return DDP_OK;

@@ -89,23 +89,27 @@ static void mm_rank(hworld *w, int r, void *arg) {
     ddp_copy_error(m->msg[r], sizeof m->msg[r]);
 }
 
-/* Run one call per rank; every rank must fail with DDP_ERR_MISMATCH and a
- * message containing `text`. */
-static void expect_mismatch(int n, size_t small_bytes, const ddp_coll_args *calls,
-                            const char *text) {
-    hworld w;
+/* Run one call per rank on w; every rank must fail with DDP_ERR_MISMATCH
+ * and a message containing `text`. Frees w. */
+static void run_mismatch(hworld *w, const ddp_coll_args *calls, const char *text) {
     mm m;
-    hworld_init(&w, n, small_bytes, 256);
-    memcpy(m.a, calls, (size_t)n * sizeof *calls);
-    hrun(&w, mm_rank, &m);
-    for (int r = 0; r < n; r++) {
+    memcpy(m.a, calls, (size_t)w->n * sizeof *calls);
+    hrun(w, mm_rank, &m);
+    for (int r = 0; r < w->n; r++) {
         if (m.st[r] != DDP_ERR_MISMATCH || !strstr(m.msg[r], text)) {
             fprintf(stderr, "rank %d: %s: \"%s\"; expected DDP_ERR_MISMATCH with \"%s\"\n", r,
                     ddp_status_name(m.st[r]), m.msg[r], text);
             exit(1);
         }
     }
-    hworld_free(&w);
+    hworld_free(w);
+}
+
+static void expect_mismatch(int n, size_t small_bytes, const ddp_coll_args *calls,
+                            const char *text) {
+    hworld w;
+    hworld_init(&w, n, small_bytes, 256);
+    run_mismatch(&w, calls, text);
 }
 
 static void test_mismatch(void) {
@@ -144,21 +148,23 @@ static void test_mismatch(void) {
     printf("mismatch detection: ok\n");
 }
 
-/* A rank that skipped a collective: same call, different sequence number. */
-static void test_sequence_mismatch(void) {
+/* Same call, but a rank that skipped a collective (sequence numbers
+ * differ), or ranks configured with different small-message thresholds
+ * (they would choose different algorithms). */
+static void test_sequence_and_path_mismatch(void) {
+    const ddp_coll_args bar[2] = {{.kind = DDP_COLL_BARRIER}, {.kind = DDP_COLL_BARRIER}};
     hworld w;
-    mm m;
     hworld_init(&w, 2, 1 << 20, 256);
     w.g[1].seq = 5;
-    m.a[0] = m.a[1] = (ddp_coll_args){.kind = DDP_COLL_BARRIER};
-    hrun(&w, mm_rank, &m);
-    for (int r = 0; r < 2; r++) {
-        T_ASSERT(m.st[r] == DDP_ERR_MISMATCH);
-        T_ASSERT(strstr(m.msg[r], "rank 0 is at collective #1, barrier(), but rank 1 is at "
-                                  "collective #6"));
-    }
-    hworld_free(&w);
-    printf("sequence mismatch: ok\n");
+    run_mismatch(&w, bar, "rank 0 is at collective #1, barrier(), but rank 1 is at collective #6");
+    const ddp_coll_args ar = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                              .count = 100};
+    const ddp_coll_args calls[3] = {ar, ar, ar};
+    hworld_init(&w, 3, 1 << 20, 256);
+    w.g[2].small_bytes = 0;
+    run_mismatch(&w, calls, "ranks 0 and 2 chose different algorithms for all_reduce(count=100, "
+                            "float32, sum): the small-message threshold (PYDDP_SMALL_BYTES)");
+    printf("sequence and path mismatch: ok\n");
 }
 
 /* ---- a rank dying mid-collective ---------------------------------------------- */
@@ -272,7 +278,7 @@ static void test_timeout_and_abort(void) {
 int main(void) {
     test_validate();
     test_mismatch();
-    test_sequence_mismatch();
+    test_sequence_and_path_mismatch();
     test_dying_rank();
     test_timeout_and_abort();
     printf("test_coll_fail: ok\n");
