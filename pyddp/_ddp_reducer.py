@@ -312,6 +312,10 @@ class GradSync:
                 elif self.dynamic_unused:
                     for i in unready:
                         self._ready(i)
+                elif self.static_graph:
+                    self._fail(self._unused_message(unready, when="in this backward pass, "
+                                                    "unlike in the first iteration") +
+                               " (static_graph=True requires the same graph every iteration)")
                 else:
                     self._fail(self._unused_message(unready, when="in this backward pass"))
             first_static = self._static_first()

@@ -1,0 +1,151 @@
+"""DDP training-step time: pyddp's DistributedDataParallel against torch's (gloo), and
+the cost of DDP itself at world size 1. One command runs both parts:
+
+    python benchmarks/ddp_step.py            # add --steps/--rounds/--batch to change the run
+
+Part 1 launches 2 ranks with stock torchrun. Each rank builds the same ~21M-parameter
+MLP twice, wraps one copy in torch's DDP (gloo) and the other in pyddp's DDP (pyddp's
+CPU backend), and times full steps (zero_grad, forward, backward with the gradient
+all-reduce, SGD step) alternately, in rounds, so that both see the same machine
+conditions. Part 2 runs one process (world size 1) and times the same step with no
+DDP, pyddp's DDP and torch's DDP. Prints the median step times and the ratios.
+Compute threads: one per rank (torchrun's OMP_NUM_THREADS=1; part 2 matches it).
+"""
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6, help="timed steps per round and variant")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--part", choices=["all", "ranks", "single"], default="all")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def make_model(hidden):
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def timed_steps(model, opt, x, y, n):
+    """Per-step wall times of n full training steps."""
+    import torch.nn.functional as F
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def compare(variants, args, x, y):
+    """Warm each variant up, then time them alternately for args.rounds rounds.
+    variants: name -> (model, optimizer). Returns name -> median step seconds."""
+    for model, opt in variants.values():
+        timed_steps(model, opt, x, y, args.warmup)
+    samples = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (model, opt) in variants.items():
+            samples[name] += timed_steps(model, opt, x, y, args.steps)
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
+def sgd(model):
+    import torch
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def worker(args):
+    """Part 1, on each rank: torch DDP (gloo) and pyddp DDP side by side."""
+    import torch
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import pyddp
+    tdist.init_process_group("gloo")
+    pyddp.init_process_group("cpu")
+    rank, world = pyddp.get_rank(), pyddp.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 1024, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    ref, ours = TorchDDP(make_model(args.hidden)), pyddp.DistributedDataParallel(make_model(args.hidden))
+    nparams = sum(p.numel() for p in ref.parameters())
+    med = compare({"torch DDP (gloo)": (ref, sgd(ref)), "pyddp DDP": (ours, sgd(ours))},
+                  args, x, y)
+    if rank == 0:
+        print(f"{world} ranks, {nparams / 1e6:.1f}M parameters, batch {args.batch} per rank, "
+              f"{torch.get_num_threads()} compute thread(s) per rank")
+        for name, t in med.items():
+            print(f"  {name:18s} {t * 1000:8.1f} ms/step")
+        print(f"  pyddp / torch step time ratio: {med['pyddp DDP'] / med['torch DDP (gloo)']:.3f}")
+    pyddp.destroy_process_group()
+    tdist.destroy_process_group()
+
+
+def single(args):
+    """Part 2: world size 1, no DDP vs pyddp DDP vs torch DDP, in one process."""
+    import torch
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import pyddp
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    pyddp.init_process_group("cpu", init_method=f"tcp://127.0.0.1:{port + 1}", rank=0,
+                             world_size=1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(args.batch, 1024, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    plain = make_model(args.hidden)
+    ours = pyddp.DistributedDataParallel(make_model(args.hidden))
+    ref = TorchDDP(make_model(args.hidden))
+    med = compare({"no DDP": (plain, sgd(plain)), "pyddp DDP": (ours, sgd(ours)),
+                   "torch DDP (gloo)": (ref, sgd(ref))}, args, x, y)
+    print("world size 1, 1 compute thread")
+    for name, t in med.items():
+        print(f"  {name:18s} {t * 1000:8.1f} ms/step")
+    for name in ("pyddp DDP", "torch DDP (gloo)"):
+        print(f"  {name} overhead over no DDP: {(med[name] / med['no DDP'] - 1) * 100:+.1f}%")
+    pyddp.destroy_process_group()
+    tdist.destroy_process_group()
+
+
+def main():
+    args = parse()
+    if args.worker:
+        return worker(args)
+    passthrough = [f"--steps={args.steps}", f"--rounds={args.rounds}",
+                   f"--warmup={args.warmup}", f"--batch={args.batch}", f"--hidden={args.hidden}"]
+    if args.part in ("all", "ranks"):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
+            "PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), "--worker"]
+        subprocess.run(cmd + passthrough, env=env, check=True)
+    if args.part in ("all", "single"):
+        sys.path.insert(0, ROOT)
+        single(args)
+
+
+if __name__ == "__main__":
+    main()
