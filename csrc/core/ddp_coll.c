@@ -178,6 +178,9 @@ ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
         st = ddp_coll_exchange(g, &h, &x, w, &res);
         if (st == DDP_OK) st = run_large(g, a, w);
     }
+    /* Keep scratch for the next call unless one huge call (e.g. float16
+     * staging of a giant buffer) grew it far beyond the usual needs. */
+    if (g->scratch_len > DDP_COLL_SCRATCH_KEEP) ddp_group_release_scratch(g);
     if (st != DDP_OK) {
         char what[160];
         ddp_coll_describe(&h, what, sizeof what);

@@ -16,6 +16,7 @@
 #define DDP_COLL_MAGIC 0x4c4f4344u /* "DCOL" little-endian */
 #define DDP_COLL_HDR_BYTES 32
 #define DDP_COLL_DEFAULT_CHUNK (1u << 20)
+#define DDP_COLL_SCRATCH_KEEP ((size_t)64 << 20) /* scratch kept between calls */
 
 /* Which algorithm family a rank chose (from its small_bytes): ranks that
  * disagree would misread each other's streams, so it is in the header. */
