@@ -236,24 +236,24 @@ static PyObject *reducer_note_used(ReducerObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *reducer_unready(ReducerObject *self, PyObject *unused) {
+/* A list of the parameter indices that fill(r, out, cap) reports. */
+static PyObject *index_list(ReducerObject *self,
+                            size_t (*fill)(const ddp_reducer *, size_t *, size_t)) {
     size_t n = ddp_reducer_plan(self->r)->nparams;
     size_t *idx = PyMem_Malloc((n ? n : 1) * sizeof *idx);
     if (idx == NULL) return PyErr_NoMemory();
-    size_t k = ddp_reducer_unready(self->r, idx, n);
+    size_t k = fill(self->r, idx, n);
     PyObject *l = size_list(idx, k);
     PyMem_Free(idx);
     return l;
 }
 
+static PyObject *reducer_unready(ReducerObject *self, PyObject *unused) {
+    return index_list(self, ddp_reducer_unready);
+}
+
 static PyObject *reducer_arrival(ReducerObject *self, PyObject *unused) {
-    size_t n = ddp_reducer_plan(self->r)->nparams;
-    size_t *idx = PyMem_Malloc((n ? n : 1) * sizeof *idx);
-    if (idx == NULL) return PyErr_NoMemory();
-    size_t k = ddp_reducer_arrival(self->r, idx, n);
-    PyObject *l = size_list(idx, k);
-    PyMem_Free(idx);
-    return l;
+    return index_list(self, ddp_reducer_arrival);
 }
 
 static PyObject *reducer_local_used(ReducerObject *self, PyObject *unused) {

@@ -283,21 +283,26 @@ static void sim_model_free(sim_model *m) {
     free(m->bucket_mem);
 }
 
+/* A world of size ranks, each with its model attached to the simulated ops. */
+static void sim_setup(sim_world *w, int size, sim_rank *ctx, sim_model *m) {
+    memset(w, 0, sizeof *w);
+    w->size = size;
+    w->fail_launch_at = -1;
+    for (int r = 0; r < size; r++) {
+        ctx[r] = (sim_rank){w, r};
+        sim_model_init(&m[r], &ctx[r], size);
+    }
+}
+
 static float gval(int rank, int i, size_t e) { return (float)(rank * 100 + i * 10) + (float)e * 0.25f; }
 
 static void test_sim_average(void) {
     enum { R = 3 };
     sim_world w;
-    memset(&w, 0, sizeof w);
-    w.size = R;
-    w.fail_launch_at = -1;
     sim_rank ctx[R];
     sim_model m[R];
-    for (int r = 0; r < R; r++) {
-        ctx[r] = (sim_rank){&w, r};
-        sim_model_init(&m[r], &ctx[r], R);
-        T_ASSERT(ddp_reducer_plan(m[r].r)->nbuckets >= 3);
-    }
+    sim_setup(&w, R, ctx, m);
+    for (int r = 0; r < R; r++) T_ASSERT(ddp_reducer_plan(m[r].r)->nbuckets == 4);
     /* Each rank marks its gradients in a different order; parameter 2 is
      * unused on rank 1 (zeros) and parameter 0 on every rank. */
     const int orders[R][5] = {{4, 3, 2, 1, 0}, {0, 1, 2, 3, 4}, {2, 4, 0, 3, 1}};
@@ -347,12 +352,9 @@ static void test_sim_average(void) {
 static void test_sim_waits_and_errors(void) {
     enum { R = 2 };
     sim_world w;
-    memset(&w, 0, sizeof w);
-    w.size = R;
-    w.fail_launch_at = -1;
-    sim_rank ctx[R] = {{&w, 0}, {&w, 1}};
+    sim_rank ctx[R];
     sim_model m[R];
-    for (int r = 0; r < R; r++) sim_model_init(&m[r], &ctx[r], R);
+    sim_setup(&w, R, ctx, m);
     for (int r = 0; r < R; r++) T_OK(ddp_reducer_begin(m[r].r));
     /* Rank 0 finishes before rank 1 launched anything: not all ready yet. */
     for (int i = 0; i < 4; i++)
