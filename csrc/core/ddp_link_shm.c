@@ -1,193 +1,70 @@
-/* ddp_link_shm.c - shared-memory link: segment creation and mapping, and the
- * ring-buffer progress functions behind ddp_link_ops (contract in
- * ddp_link_shm.h).
+/* ddp_link_shm.c - the shared-memory link's progress functions behind
+ * ddp_link_ops (contract in ddp_link_shm.h; segment layout in
+ * ddp_link_shm_int.h).
+ *
+ * Two ways to move bytes, chosen per send:
+ *   - the ring: the sender copies into this direction's ring in the segment
+ *     and the receiver copies out (two copies; any size; the latency path);
+ *   - a descriptor, for sends of at least PYDDP_SHM_CMA_MIN bytes when the
+ *     receiver proved at link creation that it may read the sender's memory
+ *     (process_vm_readv, "cross-memory attach"; same user, no Yama or seccomp
+ *     veto): the sender publishes where its bytes are and the receiver copies
+ *     them straight into its own buffer (one copy). The sender's send_some
+ *     reports progress as the receiver copies, so the caller's buffer is never
+ *     read after the send completes.
+ * The byte stream stays in order because the sender never uses both at once:
+ * it posts a descriptor only after the receiver has drained the ring, and
+ * writes to the ring only when no descriptor is outstanding; the receiver
+ * serves an outstanding descriptor before looking at the ring.
  *
  * Memory ordering: the producer copies bytes into the ring and then stores
  * the new head with release semantics; the consumer loads head with acquire,
  * copies the bytes out, and stores the new tail with release. Each side keeps
  * a private copy of the other side's counter and reloads it only when the
  * ring looks full (producer) or empty (consumer), so the shared cache lines
- * move between cores once per slice rather than once per byte.
+ * move between cores once per slice rather than once per byte. Descriptors
+ * are published the same way (fields, then `posted` with release).
  */
-#include "ddp_link_shm.h"
+#include "ddp_link_shm_int.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
-#include <stdatomic.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
+#include <sys/types.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/uio.h>
+#endif
 
-#define SHM_MAGIC 0x4d484444u      /* "DDHM" */
-#define SHM_VERSION 1u
-#define SHM_SLICE (64u << 10)      /* publish head/tail at least this often */
-#define LIVENESS_PERIOD_US 1000    /* how often an idle side polls the socket */
-#define RING_MIN (64u << 10)
-#define RING_MAX (256u << 20)
-
-typedef struct shm_ring_ctl {
-    _Alignas(64) _Atomic uint64_t head;   /* bytes ever written (producer) */
-    _Alignas(64) _Atomic uint64_t tail;   /* bytes ever consumed (consumer) */
-} shm_ring_ctl;
-
-typedef struct shm_hdr {
-    uint32_t magic;
-    uint32_t version;
-    uint64_t ring_bytes;
-    uint64_t total_bytes;
-    _Alignas(64) _Atomic uint32_t closed[2];   /* side s has shut down */
-    shm_ring_ctl ring[2];                      /* ring d: side d -> side 1-d */
-} shm_hdr;
-
-_Static_assert(sizeof(_Atomic uint64_t) == 8, "64-bit atomics must be plain words");
-
-#define DATA_OFFSET ((sizeof(shm_hdr) + 4095) & ~(size_t)4095)
-
-struct ddp_shm_seg {
-    shm_hdr *hdr;
-    size_t map_len;
-};
+#define SHM_SLICE (64u << 10)        /* publish head/tail at least this often */
+#define CMA_PIECE (1u << 20)         /* bytes per process_vm_readv call */
+#define CMA_MIN_DEFAULT (128u << 10) /* smaller sends go through the ring */
+#define LIVENESS_PERIOD_US 1000      /* how often an idle side polls the socket */
 
 typedef struct shm_impl {
     ddp_shm_seg *seg;
+    shm_hdr *h;
     int side;
     size_t cap, mask;
-    uint8_t *tx, *rx;              /* data areas of the send and receive rings */
+    uint8_t *tx, *rx;               /* data areas of the send and receive rings */
     shm_ring_ctl *txc, *rxc;
     uint64_t tx_head, tx_tail_seen; /* producer's own head, last tail seen */
     uint64_t rx_tail, rx_head_seen; /* consumer's own tail, last head seen */
-    ddp_link *liveness;            /* the pair's TCP link, idle after the upgrade */
+    /* descriptor path, sending */
+    size_t cma_min;
+    uint64_t desc_seq;              /* descriptors posted by this side */
+    int desc_active;
+    uint64_t desc_len, desc_reported;
+    /* descriptor path, receiving */
+    uint64_t rx_desc_seen, rx_desc_done;
+    uint64_t rx_addr, rx_len, rx_copied;
+    ddp_link *liveness;             /* the pair's TCP link, idle after the upgrade */
     int64_t last_check_us;
     atomic_int shut;
 } shm_impl;
-
-size_t ddp_shm_ring_bytes(void) {
-    const char *v = getenv("PYDDP_SHM_RING_BYTES");
-    if (v == NULL || *v == '\0') return DDP_SHM_RING_DEFAULT;
-    char *end;
-    unsigned long long x = strtoull(v, &end, 10);
-    if (*end != '\0' || x == 0) return DDP_SHM_RING_DEFAULT;
-    size_t r = RING_MIN;
-    while (r < x && r < RING_MAX) r <<= 1;
-    return r;
-}
-
-static size_t seg_len(size_t ring_bytes) { return DATA_OFFSET + 2 * ring_bytes; }
-
-/* Unique per process and call: pid, a counter and clock bits. */
-static void make_name(char out[DDP_SHM_NAME_MAX]) {
-    static atomic_uint counter;
-    unsigned n = atomic_fetch_add(&counter, 1u);
-    snprintf(out, DDP_SHM_NAME_MAX, "/pyddp-%ld-%u-%llx", (long)getpid(), n,
-             (unsigned long long)ddp_now_us());
-}
-
-ddp_status ddp_shm_seg_create(size_t ring_bytes, char name_out[DDP_SHM_NAME_MAX],
-                              ddp_shm_seg **out) {
-    *out = NULL;
-    if (ring_bytes < RING_MIN || (ring_bytes & (ring_bytes - 1)) != 0)
-        return ddp_error(DDP_ERR_INVALID, "shared-memory ring size %zu is not a power of two "
-                         ">= %u", ring_bytes, RING_MIN);
-    int fd = -1;
-    for (int tries = 0; fd < 0 && tries < 8; tries++) {
-        make_name(name_out);
-        fd = shm_open(name_out, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd < 0 && errno != EEXIST) break;
-    }
-    if (fd < 0)
-        return ddp_error(DDP_ERR_SYS, "shm_open(%s) failed: %s; check that /dev/shm is "
-                         "mounted and writable, or set PYDDP_SHM_DISABLE=1", name_out,
-                         strerror(errno));
-    size_t len = seg_len(ring_bytes);
-    ddp_status st = DDP_OK;
-    int err = 0;
-    /* Reserve the pages now: a full tmpfs must fail here, not SIGBUS later. */
-    if (ftruncate(fd, (off_t)len) != 0) err = errno;
-    else err = posix_fallocate(fd, 0, (off_t)len);
-    void *p = MAP_FAILED;
-    if (err == 0) {
-        p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p == MAP_FAILED) err = errno;
-    }
-    close(fd);
-    if (err != 0) {
-        shm_unlink(name_out);
-        st = ddp_error(err == ENOSPC ? DDP_ERR_NOMEM : DDP_ERR_SYS,
-                       "could not allocate a %zu-byte shared-memory segment in /dev/shm: %s; "
-                       "enlarge /dev/shm (docker --shm-size), lower PYDDP_SHM_RING_BYTES, or "
-                       "set PYDDP_SHM_DISABLE=1", len, strerror(err));
-        return st;
-    }
-    ddp_shm_seg *s = malloc(sizeof *s);
-    if (s == NULL) {
-        munmap(p, len);
-        shm_unlink(name_out);
-        return ddp_error(DDP_ERR_NOMEM, "out of memory");
-    }
-    s->hdr = p;
-    s->map_len = len;
-    /* Fresh tmpfs pages are zero: counters and flags start at 0. */
-    s->hdr->ring_bytes = ring_bytes;
-    s->hdr->total_bytes = len;
-    s->hdr->version = SHM_VERSION;
-    atomic_thread_fence(memory_order_release);
-    s->hdr->magic = SHM_MAGIC;
-    *out = s;
-    return DDP_OK;
-}
-
-ddp_status ddp_shm_seg_open(const char *name, ddp_shm_seg **out) {
-    *out = NULL;
-    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
-    if (fd < 0)
-        return ddp_error(DDP_ERR_SYS, "shm_open(%s) of the peer's segment failed: %s "
-                         "(does the peer see the same /dev/shm?)", name, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < DATA_OFFSET) {
-        close(fd);
-        return ddp_error(DDP_ERR_PROTOCOL, "shared-memory segment %s is too small", name);
-    }
-    size_t len = (size_t)sb.st_size;
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int err = errno;
-    close(fd);
-    if (p == MAP_FAILED)
-        return ddp_error(DDP_ERR_SYS, "mmap of shared-memory segment %s failed: %s", name,
-                         strerror(err));
-    shm_hdr *h = p;
-    if (h->magic != SHM_MAGIC || h->version != SHM_VERSION || h->total_bytes != len ||
-        seg_len(h->ring_bytes) != len || h->ring_bytes < RING_MIN ||
-        (h->ring_bytes & (h->ring_bytes - 1)) != 0) {
-        munmap(p, len);
-        return ddp_error(DDP_ERR_PROTOCOL, "shared-memory segment %s has a bad header "
-                         "(magic %#x, version %u)", name, h->magic, h->version);
-    }
-    ddp_shm_seg *s = malloc(sizeof *s);
-    if (s == NULL) {
-        munmap(p, len);
-        return ddp_error(DDP_ERR_NOMEM, "out of memory");
-    }
-    s->hdr = h;
-    s->map_len = len;
-    *out = s;
-    return DDP_OK;
-}
-
-void ddp_shm_unlink(const char *name) {
-    if (name && name[0]) shm_unlink(name);
-}
-
-void ddp_shm_seg_close(ddp_shm_seg *s) {
-    if (s == NULL) return;
-    munmap(s->hdr, s->map_len);
-    free(s);
-}
 
 /* ---- liveness -------------------------------------------------------- */
 
@@ -219,7 +96,7 @@ static ddp_status idle_check(shm_impl *s, int (*recheck)(shm_impl *)) {
     if (atomic_load_explicit(&s->shut, memory_order_relaxed))
         return local_shutdown_error();
     const char *why = NULL;
-    if (atomic_load_explicit(&s->seg->hdr->closed[1 - s->side], memory_order_acquire)) {
+    if (atomic_load_explicit(&s->h->closed[1 - s->side], memory_order_acquire)) {
         why = "closed its end of the shared-memory link (it failed, aborted or left the "
               "process group)";
     } else {
@@ -246,21 +123,12 @@ static int rx_has_data(shm_impl *s) {
     return atomic_load_explicit(&s->rxc->head, memory_order_acquire) != s->rx_tail;
 }
 
-static ddp_status shm_send_some(ddp_link *l, const void *buf, size_t n, size_t *done) {
-    shm_impl *s = l->impl;
-    if (*done >= n) return DDP_OK;
-    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return local_shutdown_error();
-    /* Bytes for a peer that has closed would never be read. */
-    if (atomic_load_explicit(&s->seg->hdr->closed[1 - s->side], memory_order_acquire))
-        return ddp_error(DDP_ERR_CLOSED, "the peer closed its end of the shared-memory link "
-                         "(it failed, aborted or left the process group); check its output "
-                         "for the first error");
-    size_t want = n - *done;
+/* Copy as much of src[0, want) into the send ring as fits now. */
+static ddp_status ring_send(shm_impl *s, const uint8_t *src, size_t want, size_t *done) {
     if (s->cap - (size_t)(s->tx_head - s->tx_tail_seen) < want)
         s->tx_tail_seen = atomic_load_explicit(&s->txc->tail, memory_order_acquire);
     size_t space = s->cap - (size_t)(s->tx_head - s->tx_tail_seen);
     if (space == 0) return idle_check(s, tx_has_space);
-    const uint8_t *src = (const uint8_t *)buf + *done;
     size_t moved = 0;
     while (want > 0 && space > 0) {
         size_t k = want < space ? want : space;
@@ -279,16 +147,12 @@ static ddp_status shm_send_some(ddp_link *l, const void *buf, size_t n, size_t *
     return DDP_OK;
 }
 
-static ddp_status shm_recv_some(ddp_link *l, void *buf, size_t n, size_t *done) {
-    shm_impl *s = l->impl;
-    if (*done >= n) return DDP_OK;
-    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return local_shutdown_error();
-    size_t want = n - *done;
+/* Copy up to want bytes out of the receive ring into dst. */
+static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done) {
     if ((size_t)(s->rx_head_seen - s->rx_tail) < want)
         s->rx_head_seen = atomic_load_explicit(&s->rxc->head, memory_order_acquire);
     size_t avail = (size_t)(s->rx_head_seen - s->rx_tail);
     if (avail == 0) return idle_check(s, rx_has_data);
-    uint8_t *dst = (uint8_t *)buf + *done;
     size_t moved = 0;
     while (want > 0 && avail > 0) {
         size_t k = want < avail ? want : avail;
@@ -307,6 +171,132 @@ static ddp_status shm_recv_some(ddp_link *l, void *buf, size_t n, size_t *done) 
     return DDP_OK;
 }
 
+/* ---- descriptor path (single copy) ---------------------------------- */
+
+/* Whether this process may read the peer's memory: read the peer's probe
+ * word with process_vm_readv and compare. Off with PYDDP_SHM_CMA=0. */
+static int cma_probe_peer(const shm_hdr *h, int side) {
+#ifdef __linux__
+    const char *v = getenv("PYDDP_SHM_CMA");
+    int peer = 1 - side;
+    if ((v && strcmp(v, "0") == 0) || h->pid[peer] <= 0) return 0;
+    uint64_t got = 0;
+    struct iovec lo = {&got, sizeof got};
+    struct iovec re = {(void *)(uintptr_t)h->probe[peer], sizeof got};
+    return process_vm_readv((pid_t)h->pid[peer], &lo, 1, &re, 1, 0) == (ssize_t)sizeof got &&
+           got == SHM_PROBE;
+#else
+    (void)h;
+    (void)side;
+    return 0;
+#endif
+}
+
+static int tx_drained(shm_impl *s) {
+    return atomic_load_explicit(&s->txc->tail, memory_order_acquire) == s->tx_head;
+}
+
+static int desc_moved(shm_impl *s) {
+    return atomic_load_explicit(&s->h->desc[s->side].copied, memory_order_acquire) >
+           s->desc_reported;
+}
+
+/* Report the receiver's progress on our outstanding descriptor. */
+static ddp_status desc_progress(shm_impl *s, size_t *done) {
+    uint64_t c = atomic_load_explicit(&s->h->desc[s->side].copied, memory_order_acquire);
+    if (c <= s->desc_reported) return idle_check(s, desc_moved);
+    *done += (size_t)(c - s->desc_reported);
+    s->desc_reported = c;
+    if (c == s->desc_len) s->desc_active = 0;
+    return DDP_OK;
+}
+
+/* Publish src[0, len) for the receiver to copy in place. The ring must be
+ * drained (so the receiver has read every earlier byte). */
+static ddp_status desc_post(shm_impl *s, const uint8_t *src, size_t len, size_t *done) {
+    shm_desc *d = &s->h->desc[s->side];
+    atomic_store_explicit(&d->copied, 0, memory_order_relaxed);
+    d->addr = (uint64_t)(uintptr_t)src;
+    d->len = len;
+    s->desc_active = 1;
+    s->desc_len = len;
+    s->desc_reported = 0;
+    atomic_store_explicit(&d->posted, ++s->desc_seq, memory_order_release);
+    return desc_progress(s, done);
+}
+
+/* Copy the next bytes of the peer's outstanding descriptor into dst. */
+static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t want,
+                            size_t *done) {
+    shm_desc *d = &s->h->desc[1 - s->side];
+    if (s->rx_desc_seen != posted) {
+        s->rx_desc_seen = posted;
+        s->rx_addr = d->addr;
+        s->rx_len = d->len;
+        s->rx_copied = 0;
+    }
+    size_t k = (size_t)(s->rx_len - s->rx_copied);
+    if (k > want) k = want;
+    if (k > CMA_PIECE) k = CMA_PIECE;
+    ssize_t r = -1;
+    int err = ENOSYS;
+#ifdef __linux__
+    struct iovec lo = {dst, k};
+    struct iovec re = {(void *)(uintptr_t)(s->rx_addr + s->rx_copied), k};
+    r = process_vm_readv((pid_t)s->h->pid[1 - s->side], &lo, 1, &re, 1, 0);
+    err = errno;
+#endif
+    /* A peer that shut down may already have released the buffer: whatever
+     * was read is not trusted then. */
+    if (atomic_load_explicit(&s->h->closed[1 - s->side], memory_order_acquire))
+        return ddp_error(DDP_ERR_CLOSED, "the peer closed its end of the shared-memory link "
+                         "while this rank was reading its data; check its output for the "
+                         "first error");
+    if (r <= 0)
+        return ddp_error(DDP_ERR_SYS, "copying %zu bytes out of the peer process %lld with "
+                         "process_vm_readv failed: %s (PYDDP_SHM_CMA=0 turns this path off)",
+                         k, (long long)s->h->pid[1 - s->side], strerror(err));
+    s->rx_copied += (uint64_t)r;
+    *done += (size_t)r;
+    if (s->rx_copied == s->rx_len) s->rx_desc_done = posted;
+    atomic_store_explicit(&d->copied, s->rx_copied, memory_order_release);
+    return DDP_OK;
+}
+
+/* ---- ddp_link_ops ---------------------------------------------------- */
+
+static ddp_status shm_send_some(ddp_link *l, const void *buf, size_t n, size_t *done) {
+    shm_impl *s = l->impl;
+    if (*done >= n) return DDP_OK;
+    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return local_shutdown_error();
+    /* The peer may copy our last bytes and close at once: progress first. */
+    if (s->desc_active) return desc_progress(s, done);
+    /* Bytes for a peer that has closed would never be read. */
+    if (atomic_load_explicit(&s->h->closed[1 - s->side], memory_order_acquire))
+        return ddp_error(DDP_ERR_CLOSED, "the peer closed its end of the shared-memory link "
+                         "(it failed, aborted or left the process group); check its output "
+                         "for the first error");
+    const uint8_t *src = (const uint8_t *)buf + *done;
+    size_t want = n - *done;
+    if (want >= s->cma_min &&
+        atomic_load_explicit(&s->h->cma_ok[s->side], memory_order_acquire)) {
+        if (!tx_drained(s)) return idle_check(s, tx_drained);
+        return desc_post(s, src, want, done);
+    }
+    return ring_send(s, src, want, done);
+}
+
+static ddp_status shm_recv_some(ddp_link *l, void *buf, size_t n, size_t *done) {
+    shm_impl *s = l->impl;
+    if (*done >= n) return DDP_OK;
+    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return local_shutdown_error();
+    uint64_t posted = atomic_load_explicit(&s->h->desc[1 - s->side].posted,
+                                           memory_order_acquire);
+    uint8_t *dst = (uint8_t *)buf + *done;
+    if (posted != s->rx_desc_done) return desc_recv(s, posted, dst, n - *done, done);
+    return ring_recv(s, dst, n - *done, done);
+}
+
 /* No descriptor signals ring progress: the generic driver spins/yields. */
 static int shm_wait_fd(ddp_link *l) {
     (void)l;
@@ -316,7 +306,7 @@ static int shm_wait_fd(ddp_link *l) {
 static void shm_shutdown(ddp_link *l) {
     shm_impl *s = l->impl;
     atomic_store(&s->shut, 1);
-    atomic_store_explicit(&s->seg->hdr->closed[s->side], 1u, memory_order_release);
+    atomic_store_explicit(&s->h->closed[s->side], 1u, memory_order_release);
     if (s->liveness) ddp_link_shutdown(s->liveness);
 }
 
@@ -324,7 +314,7 @@ static void shm_destroy(ddp_link *l) {
     shm_impl *s = l->impl;
     if (s == NULL) return;
     /* Tell a peer still waiting on us, before the mapping goes away. */
-    atomic_store_explicit(&s->seg->hdr->closed[s->side], 1u, memory_order_release);
+    atomic_store_explicit(&s->h->closed[s->side], 1u, memory_order_release);
     ddp_link_free(s->liveness);
     ddp_shm_seg_close(s->seg);
     free(s);
@@ -332,8 +322,20 @@ static void shm_destroy(ddp_link *l) {
 }
 
 static const ddp_link_ops shm_ops = {
-    "shm", shm_send_some, shm_recv_some, shm_wait_fd, shm_shutdown, shm_destroy,
+    .name = "shm",
+    .send_some = shm_send_some,
+    .recv_some = shm_recv_some,
+    .wait_fd = shm_wait_fd,
+    .shutdown = shm_shutdown,
+    .destroy = shm_destroy,
 };
+
+static size_t cma_min_bytes(void) {
+    const char *v = getenv("PYDDP_SHM_CMA_MIN");
+    char *end;
+    unsigned long long x = v && *v ? strtoull(v, &end, 10) : 0;
+    return (v && *v && *end == '\0' && x > 0) ? (size_t)x : CMA_MIN_DEFAULT;
+}
 
 ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int peer,
                            const char *desc) {
@@ -349,6 +351,7 @@ ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int p
     shm_hdr *h = seg->hdr;
     uint8_t *data = (uint8_t *)h + DATA_OFFSET;
     s->seg = seg;
+    s->h = h;
     s->side = side ? 1 : 0;
     s->cap = (size_t)h->ring_bytes;
     s->mask = s->cap - 1;
@@ -358,6 +361,12 @@ ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int p
     s->rxc = &h->ring[1 - s->side];
     s->tx_head = s->tx_tail_seen = atomic_load(&s->txc->head);
     s->rx_tail = s->rx_head_seen = atomic_load(&s->rxc->tail);
+    s->cma_min = cma_min_bytes();
+    s->desc_seq = atomic_load(&h->desc[s->side].posted);
+    s->rx_desc_seen = s->rx_desc_done = atomic_load(&h->desc[1 - s->side].posted);
+    /* Our peer may send us descriptors once we know we can read its memory. */
+    atomic_store_explicit(&h->cma_ok[1 - s->side], (uint32_t)cma_probe_peer(h, s->side),
+                          memory_order_release);
     s->liveness = liveness;
     s->last_check_us = ddp_now_us();
     atomic_init(&s->shut, 0);

@@ -1,7 +1,9 @@
 /* test_link_shm.c - unit tests of the shared-memory link between two forked
  * processes: the name hand-off and immediate unlink, exact byte streams of
  * many sizes across ring wrap-around, simultaneous transfers both ways much
- * larger than the ring, deadlines and abort flags, a peer that shuts down,
+ * larger than the ring, small and large sends back to back (ring and
+ * single-copy descriptor paths interleaved in one stream), each with the
+ * single-copy path on and off (PYDDP_SHM_CMA), deadlines and abort flags, a peer that shuts down,
  * a peer killed with SIGKILL (must fail within seconds, not at the
  * deadline), and that nothing is left in /dev/shm. Prints (never asserts)
  * the ping-pong latency and one-way bandwidth it sees. */
@@ -138,6 +140,42 @@ static void test_bidirectional(void) {
     free(out);
     free(in);
     free(want);
+    end_pair(l, child, 0);
+}
+
+/* Four sends back to back, small (ring) and large (descriptor) alternating,
+ * taken by one receive: the stream must stay in order across the paths. */
+static const size_t BURST[] = {100, 300000, 7, 1u << 20};
+#define BURST_TOTAL (100 + 300000 + 7 + (1u << 20))
+
+static int burst_child(ddp_link *l) {
+    unsigned char *in = malloc(BURST_TOTAL), *want = malloc(BURST_TOTAL);
+    size_t off = 0;
+    for (size_t k = 0; k < 4; k++) {
+        pattern(want + off, BURST[k], (unsigned)(10 + k));
+        off += BURST[k];
+    }
+    int rc = ddp_link_recv(l, in, BURST_TOTAL, W(10000)) != DDP_OK ? 1
+             : memcmp(in, want, BURST_TOTAL) != 0                ? 2
+             : ddp_link_send(l, "k", 1, W(5000)) != DDP_OK        ? 3
+                                                                  : 0;
+    free(in);
+    free(want);
+    return rc;
+}
+
+static void test_mixed_burst(void) {
+    pid_t child;
+    ddp_link *l = start_pair(RING, burst_child, &child);
+    unsigned char *buf = malloc(1u << 20);
+    for (size_t k = 0; k < 4; k++) {
+        pattern(buf, BURST[k], (unsigned)(10 + k));
+        T_OK(ddp_link_send(l, buf, BURST[k], W(10000)));
+    }
+    char ack = 0;
+    T_OK(ddp_link_recv(l, &ack, 1, W(10000)));
+    T_ASSERT(ack == 'k');
+    free(buf);
     end_pair(l, child, 0);
 }
 
@@ -278,8 +316,16 @@ static void test_bad_inputs(void) {
 
 int main(void) {
     test_bad_inputs();
-    test_stream_sizes();
-    test_bidirectional();
+    /* Both ways of moving bytes: single copy out of the sender's memory where
+     * this machine allows it, and the ring everywhere. */
+    const char *modes[] = {"1", "0"};
+    for (int m = 0; m < 2; m++) {
+        setenv("PYDDP_SHM_CMA", modes[m], 1);
+        test_stream_sizes();
+        test_bidirectional();
+        test_mixed_burst();
+    }
+    unsetenv("PYDDP_SHM_CMA");
     test_deadline_abort_local_shutdown();
     test_peer_shutdown();
     test_peer_killed();
