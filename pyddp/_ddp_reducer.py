@@ -281,7 +281,15 @@ class GradSync:
                            f"iteration; the graph is not static, so use static_graph=False")
             if self._counts[i] < self._static_expected[i]:
                 return first
-        self._ready(i)
+        try:
+            self._ready(i)
+        except BaseException as e:
+            # Raised inside autograd: remember why, so the next forward explains it
+            # instead of reporting missing gradients.
+            if not self.broken:
+                self._fail(f"DDP: rank {self.rank}: the gradient reduction failed during "
+                           f"backward: {e}", cause=e)
+            raise
         return first
 
     def _static_first(self):
@@ -343,11 +351,11 @@ class GradSync:
                 view = self.engine.views[i]
                 self.set_grad(i, view if self.view_mode else self._clone(view))
 
-    def _fail(self, msg):
+    def _fail(self, msg, cause=None):
         self.broken = msg
         if self.engine.in_iteration:
             self.engine.drain()
-        raise _C.DistError(msg)
+        raise _C.DistError(msg) from cause
 
     def _unused_message(self, unready, when):
         names = [self.names[i] for i in unready]

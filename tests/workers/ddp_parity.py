@@ -28,9 +28,11 @@ class Net(nn.Module):
     """A small MLP with an optional head (used or not per call), an optional head that is
     never used, and optional BatchNorm (buffers that differ across ranks)."""
 
-    def __init__(self, bn=False, dead=False, width=32):
+    def __init__(self, bn=False, dead=False, width=32, strided=False):
         super().__init__()
         self.fc1 = nn.Linear(10, width)
+        if strided:   # a non-contiguous parameter: its gradient is strided the same way
+            self.fc1.weight = nn.Parameter(self.fc1.weight.detach().t().contiguous().t())
         self.bn = nn.BatchNorm1d(width) if bn else None
         self.fc2 = nn.Linear(width, width)
         self.out = nn.Linear(width, 4)
@@ -66,6 +68,7 @@ CONFIGS = {
     "tiny_buckets": ({}, {"bucket_cap_mb": 0.0005}, 1, _always),
     "static": ({"dead": True}, {"static_graph": True}, 1, _always),
     "buffers": ({"bn": True}, {}, 2, _always),
+    "strided": ({"strided": True}, {}, 1, _always),
     "generic": ({}, {"bucket_cap_mb": 0.002, "pyddp": {"_generic_path": True}}, 2, _always),
     "generic_unused": ({}, {"find_unused_parameters": True, "gradient_as_bucket_view": True,
                             "pyddp": {"_generic_path": True}}, 1, _sometimes),
