@@ -281,6 +281,12 @@ class GradSync:
                            f"iteration; the graph is not static, so use static_graph=False")
             if self._counts[i] < self._static_expected[i]:
                 return first
+        elif self._counts[i] > 1:
+            self._fail(f"DDP: rank {self.rank}: parameter {self.names[i]!r} received a second "
+                       f"gradient in one backward pass (reentrant backward, e.g. activation "
+                       f"checkpointing, or a parameter shared by modules run in separate "
+                       f"backward calls). Its bucket was already being reduced. If the graph "
+                       f"is the same every iteration, pass static_graph=True.")
         try:
             self._ready(i)
         except BaseException as e:

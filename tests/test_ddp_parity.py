@@ -2,7 +2,7 @@
 the same script, model, data and optimizer give the same per-step losses and final
 weights (relative 1e-5), with bit-identical weights on every rank after every step, at
 world sizes 2 and 3, for the plain case, no_sync accumulation, unused parameters
-(find_unused_parameters, static_graph), gradient_as_bucket_view, tiny buckets,
+(find_unused_parameters, static_graph, also with reentrant checkpointing), gradient_as_bucket_view, tiny buckets,
 BatchNorm buffers, a non-contiguous parameter and the generic (non-C) data path; plus the two construction/backward
 errors. The checks run inside tests/workers/ddp_parity.py; all configurations share
 one torchrun launch per world size."""
@@ -13,6 +13,7 @@ import pytest
 from launch import torchrun
 
 CASES = ["plain", "no_sync", "unused", "unused_no_sync", "view", "tiny_buckets", "static",
+         "static_checkpoint",
          "buffers", "strided", "generic", "generic_unused", "unused_error", "mismatch_error"]
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import pyddp
 
@@ -28,8 +29,9 @@ class Net(nn.Module):
     """A small MLP with an optional head (used or not per call), an optional head that is
     never used, and optional BatchNorm (buffers that differ across ranks)."""
 
-    def __init__(self, bn=False, dead=False, width=32, strided=False):
+    def __init__(self, bn=False, dead=False, width=32, strided=False, ckpt=False):
         super().__init__()
+        self.ckpt = ckpt
         self.fc1 = nn.Linear(10, width)
         if strided:   # a non-contiguous parameter: its gradient is strided the same way
             self.fc1.weight = nn.Parameter(self.fc1.weight.detach().t().contiguous().t())
@@ -43,6 +45,9 @@ class Net(nn.Module):
         h = torch.relu(self.fc1(x))
         if self.bn is not None:
             h = self.bn(h)
+        if self.ckpt:   # fc2 twice, each under reentrant checkpointing: 2 gradients each
+            h = torch.relu(checkpoint(self.fc2, h, use_reentrant=True))
+            h = checkpoint(self.fc2, h, use_reentrant=True)
         h = torch.relu(self.fc2(h))
         y = self.out(h)
         return y + self.branch(h) if use_branch else y
@@ -67,6 +72,7 @@ CONFIGS = {
     "view": ({}, {"gradient_as_bucket_view": True}, 2, _always),
     "tiny_buckets": ({}, {"bucket_cap_mb": 0.0005}, 1, _always),
     "static": ({"dead": True}, {"static_graph": True}, 1, _always),
+    "static_checkpoint": ({"ckpt": True}, {"static_graph": True}, 1, _always),
     "buffers": ({"bn": True}, {}, 2, _always),
     "strided": ({"strided": True}, {}, 1, _always),
     "generic": ({}, {"bucket_cap_mb": 0.002, "pyddp": {"_generic_path": True}}, 2, _always),
