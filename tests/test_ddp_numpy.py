@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from launch import PY, ROOT, run, torchrun
+from launch import PY, ROOT, run, spawn_ranks, torchrun
 
 
 def _passes(out, ws, cases):
@@ -40,3 +40,14 @@ def test_numpy_example_single_process():
     res = run([PY, f"{ROOT}/examples/numpy_mlp.py", "--steps", "5"], timeout=120)
     assert res.returncode == 0, res.output[-3000:]
     assert "world size 1" in res.output and "matches" in res.output
+
+
+@pytest.mark.parametrize("path", ["c", "generic"])
+def test_ctrl_c_during_gradient_sync(path):
+    """Ctrl-C while waiting for a peer that never joins the gradient all-reduce."""
+    res = spawn_ranks("ddp_interrupt.py", 2, args=[path], timeout=60)
+    out = res[0].output
+    assert res[0].returncode == 0, out[-3000:]
+    secs = float(re.search(r"interrupted after (\S+) s", out).group(1))
+    assert secs < 1.0 + 2.0, out           # SIGINT at 1 s; waits check every 100 ms
+    assert "then: DistError" in out and "broken" in out, out
