@@ -159,6 +159,14 @@ static int try_cudart(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, 
     return 1;
 }
 
+/* The error when no candidate of a library worked: every refusal, then how
+ * to install the library. */
+static ddp_status none_worked(const char *what, const report *r, const char *hint) {
+    return ddp_error(DDP_ERR_UNAVAILABLE, "could not load %s; tried, in order:%s%s\n%s", what,
+                     r->n ? r->text : "\n  (no candidates)",
+                     r->len >= sizeof r->text - 1 ? " ..." : "", hint);
+}
+
 typedef int (*try_fn)(const ddp_lib_candidate *, int, ddp_cuda_api *, report *, void **);
 
 /* First candidate that try() accepts: already-loaded ones first when
@@ -187,34 +195,29 @@ ddp_status ddp_cuda_load(const ddp_lib_candidate *nccl, size_t n_nccl,
     memset(&api, 0, sizeof api);
     static report r;     /* large; only touched under g_mu */
     memset(&r, 0, sizeof r);
+    ddp_status st = DDP_OK;
     void *hn = pick(nccl, n_nccl, prefer_loaded, try_nccl, &api, &r);
     if (hn == NULL) {
-        ddp_status st = ddp_error(DDP_ERR_UNAVAILABLE,
-            "could not load NCCL (libnccl.so.2); tried, in order:%s%s\n"
-            "Install it with `pip install nvidia-nccl-cu12` (or nvidia-nccl-cu13 for CUDA 13), "
-            "or set PYDDP_NCCL_LIBRARY to the path of libnccl.so.2.",
-            r.n ? r.text : "\n  (no candidates)", r.len >= sizeof r.text - 1 ? " ..." : "");
-        pthread_mutex_unlock(&g_mu);
-        return st;
+        st = none_worked("NCCL (libnccl.so.2)", &r, "Install it with `pip install "
+                         "nvidia-nccl-cu12` (or nvidia-nccl-cu13 for CUDA 13), or set "
+                         "PYDDP_NCCL_LIBRARY to the path of libnccl.so.2.");
+    } else {
+        memset(&r, 0, sizeof r);
+        if (pick(cudart, n_cudart, prefer_loaded, try_cudart, &api, &r) == NULL) {
+            dlclose(hn);
+            st = none_worked("the CUDA runtime (libcudart.so.13 or .12)", &r, "Install it with "
+                             "`pip install nvidia-cuda-runtime-cu12` (or nvidia-cuda-runtime for "
+                             "CUDA 13), or put the CUDA toolkit's lib64 folder on "
+                             "LD_LIBRARY_PATH.");
+        } else {
+            g_api = api;
+            g_loaded = 1;
+            __atomic_store_n(&g_published, &g_api, __ATOMIC_RELEASE);
+            if (info) *info = g_info;
+        }
     }
-    memset(&r, 0, sizeof r);
-    void *hc = pick(cudart, n_cudart, prefer_loaded, try_cudart, &api, &r);
-    if (hc == NULL) {
-        dlclose(hn);
-        ddp_status st = ddp_error(DDP_ERR_UNAVAILABLE,
-            "could not load the CUDA runtime (libcudart.so.13 or .12); tried, in order:%s%s\n"
-            "Install it with `pip install nvidia-cuda-runtime-cu12` (or nvidia-cuda-runtime for "
-            "CUDA 13), or put the CUDA toolkit's lib64 folder on LD_LIBRARY_PATH.",
-            r.n ? r.text : "\n  (no candidates)", r.len >= sizeof r.text - 1 ? " ..." : "");
-        pthread_mutex_unlock(&g_mu);
-        return st;
-    }
-    g_api = api;
-    g_loaded = 1;
-    __atomic_store_n(&g_published, &g_api, __ATOMIC_RELEASE);
-    if (info) *info = g_info;
     pthread_mutex_unlock(&g_mu);
-    return DDP_OK;
+    return st;
 }
 
 const ddp_cuda_api *ddp_cuda_api_get(void) {
