@@ -25,7 +25,8 @@ ext = Extension(
     sources=sources(),
     include_dirs=["csrc/core", "csrc/cuda", "csrc/py", numpy.get_include()],
     define_macros=[("_GNU_SOURCE", None), ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wno-unused-parameter",
+    # -Wno-format-truncation: error messages are cut to fixed-size buffers on purpose.
+    extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wno-unused-parameter", "-Wno-format-truncation",
                         "-fvisibility=hidden", "-fno-strict-aliasing"],
     libraries=["dl", "pthread", "m"],
 )

@@ -33,6 +33,12 @@ class _State:
     generation = 0         # inits so far in this process: part of the key prefix
     file_path = None       # file:// rendezvous file that rank 0 wrote
     prefix = None
+    own_store = False      # the store client was made by init_process_group
+    # Stores this process hosts, by (method, port or path). They live as long as the
+    # process, like torchrun's agent store: a peer may still be reading from one when
+    # this rank destroys its group or fails its init, and a later init with the same
+    # address reuses the server instead of racing its peers to rebind the port.
+    hosted = {}
 
 
 class WORLD:
@@ -131,7 +137,7 @@ def _file_store(path, rank, timeout_s):
     if rank == 0:
         adv = _env.advertise_address(None) if os.environ.get("PYDDP_SOCKET_IFNAME") else \
             _primary_address()
-        store = TCPStore("", 0, is_master=True, timeout=_td(timeout_s))
+        store = _hosted_store(("file", path), "", 0, timeout_s)
         nonce = uuid.uuid4().hex
         store.set("pyddp_file_nonce", nonce)
         tmp = f"{path}.tmp.{os.getpid()}"
@@ -172,7 +178,39 @@ def _make_store(rdzv, timeout_s):
     if rdzv.use_agent_store or rdzv.rank != 0:
         return _connect_store(rdzv.master_addr, rdzv.master_port, timeout_s)
     # rank 0 hosts the store on MASTER_PORT (plain env:// launch, or tcp://)
-    return TCPStore(rdzv.master_addr, rdzv.master_port, is_master=True, timeout=_td(timeout_s))
+    return _hosted_store(("tcp", rdzv.master_port), rdzv.master_addr, rdzv.master_port,
+                         timeout_s)
+
+
+def _hosted_store(key, host, port, timeout_s):
+    """The store this process hosts for key, started on first use (see _State.hosted)."""
+    store = _State.hosted.get(key)
+    if store is None:
+        store = TCPStore(host, port, is_master=True, timeout=_td(timeout_s))
+        _State.hosted[key] = store
+    else:
+        store.set_timeout(_td(timeout_s))
+    return store
+
+
+def _is_hosted(store):
+    return any(s is store for s in _State.hosted.values())
+
+
+def _linger_after_failure(store, prefix, world_size, timeout_s):
+    """After a failed init, count this rank as finished in the store; the rank that
+    hosts the store then waits (up to 10 s) for the others before its process may exit
+    and take the store with it, so that every rank gets to read the same error (e.g.
+    the version list) instead of a closed connection."""
+    key = f"{prefix}/finished"
+    try:
+        store.add(key, 1)
+        if _is_hosted(store):
+            deadline = time.monotonic() + min(timeout_s, 10.0)
+            while store.add(key, 0) < world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except _C.DistError:
+        pass
 
 
 def _pick_backend(backend):
@@ -231,6 +269,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     else:
         store.set_timeout(_td(timeout_s))
     prefix = f"/pyddp/{rdzv.run_id}/{rdzv.restart_count}/{_State.generation}"
+    _State.generation += 1   # per attempt: every rank makes the same attempts
     try:
         advertise = _env.advertise_address(rdzv.master_addr if rdzv.master_addr else None)
         if be == "nccl":
@@ -241,15 +280,16 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             pg = _C.ProcessGroup(store._client, rdzv.rank, rdzv.world_size, prefix, advertise,
                                  "", lo, hi, int(timeout_s * 1000), __version__,
                                  _env.host_identity())
-    except BaseException:
+    except BaseException as e:
         _State.rank = -1
-        if own_store:
+        if not isinstance(e, KeyboardInterrupt):
+            _linger_after_failure(store, prefix, rdzv.world_size, timeout_s)
+        if own_store and not _is_hosted(store):
             store.close()
         raise
     _State.pg, _State.backend, _State.store = pg, be, store
     _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
     _State.own_store = own_store
-    _State.generation += 1
     log.debug("pyddp: rank %d/%d initialized (%s backend, prefix %s)", rdzv.rank,
               rdzv.world_size, be, prefix)
 
@@ -264,7 +304,7 @@ def destroy_process_group(group=None):
     try:
         pg.destroy()
     finally:
-        if store is not None and getattr(_State, "own_store", False):
+        if store is not None and _State.own_store and not _is_hosted(store):
             store.close()
         if _State.file_path:
             try:

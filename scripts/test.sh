@@ -10,6 +10,6 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
 echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
-make -s -C tests/c check
+make -s -j"$(nproc)" -C tests/c check
 echo "== Python tests"
 "$VENV/bin/python" -m pytest -q "$@" tests

@@ -200,19 +200,19 @@ static void *worker_main(void *arg) {
             work_finish(w, DDP_OK, NULL);
             continue;
         }
+        /* The algorithms' messages already name the collective, the rank and
+         * the peer; add what the user can do about a timeout. */
         char msg[1400];
         if (st == DDP_ERR_TIMEOUT)
-            snprintf(msg, sizeof msg, "rank %d: %s timed out after %.1f s: %s. A peer may "
-                     "be stuck, dead, or calling a different collective; the timeout is "
-                     "set by init_process_group(timeout=...) or PYDDP_TIMEOUT.",
-                     c->rank, ddp_coll_name(w->args.kind), w->timeout_ms / 1000.0,
-                     ddp_last_error());
+            snprintf(msg, sizeof msg, "%s (timeout %.1f s). A peer may be stuck, dead, or "
+                     "calling a different collective; the timeout is set by "
+                     "init_process_group(timeout=...) or PYDDP_TIMEOUT.", ddp_last_error(),
+                     w->timeout_ms / 1000.0);
         else if (st == DDP_ERR_ABORTED && c->broken)
             snprintf(msg, sizeof msg, "rank %d: %s aborted: %s", c->rank,
                      ddp_coll_name(w->args.kind), c->broken_msg);
         else
-            snprintf(msg, sizeof msg, "rank %d: %s failed: %s", c->rank,
-                     ddp_coll_name(w->args.kind), ddp_last_error());
+            snprintf(msg, sizeof msg, "%s", ddp_last_error());
         comm_break(c, msg);
         work_finish(w, st, msg);
     }
@@ -346,7 +346,7 @@ static ddp_status connect_peers(ddp_comm *c, uint64_t tag, ddp_wait w) {
         st = ddp_sock_send_all(fd, &h, sizeof h, w, c->desc[r]);
         if (st != DDP_OK) { close(fd); return st; }
         c->links[r] = ddp_link_tcp_new(fd, r, c->desc[r]);
-        if (c->links[r] == NULL) { close(fd); return ddp_error(DDP_ERR_NOMEM, "out of memory"); }
+        if (c->links[r] == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");  /* fd closed */
     }
     return DDP_OK;
 }

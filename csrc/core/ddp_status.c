@@ -45,7 +45,12 @@ ddp_status ddp_error_prefix(ddp_status st, const char *fmt, ...) {
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, errbuf, sizeof old);
-    snprintf(errbuf, sizeof errbuf, "%s%s", prefix, old);
+    size_t pl = strlen(prefix), ol = strlen(old);
+    if (pl > sizeof errbuf - 1) pl = sizeof errbuf - 1;
+    if (ol > sizeof errbuf - 1 - pl) ol = sizeof errbuf - 1 - pl;   /* cut the tail */
+    memcpy(errbuf, prefix, pl);
+    memcpy(errbuf + pl, old, ol);
+    errbuf[pl + ol] = '\0';
     return st;
 }
 
