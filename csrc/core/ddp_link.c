@@ -24,6 +24,9 @@
 #define SPIN_PAUSE_ROUNDS 64
 #define SPIN_YIELD_ROUNDS 4096
 #define SPIN_SLEEP_NS 50000
+/* Links that can park: yield this many rounds after spinning, then park. */
+#define PARK_AFTER_YIELDS 16
+#define PARK_US 1000
 
 static void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -35,11 +38,16 @@ static void cpu_relax(void) {
 
 /* Back off one idle round for links that can only be polled by spinning:
  * spin briefly (a shared-memory peer usually answers within microseconds),
- * then yield the core, then sleep so a long wait does not burn a CPU. */
-static void spin_backoff(unsigned *idle) {
+ * then yield the core, then sleep so a long wait does not burn a CPU. When
+ * every waiting link is descriptor-less and `park` is one that can park,
+ * sleep there instead: the peer wakes it as soon as it moves (only that
+ * link's peer can, so with other links waiting too the nap stays short). */
+static void spin_backoff(unsigned *idle, ddp_link *park, int park_alone) {
     unsigned n = (*idle)++;
     if (n < SPIN_PAUSE_ROUNDS) {
         cpu_relax();
+    } else if (park && n >= SPIN_PAUSE_ROUNDS + PARK_AFTER_YIELDS) {
+        park->ops->park(park, park_alone ? PARK_US : SPIN_SLEEP_NS / 1000);
     } else if (n < SPIN_YIELD_ROUNDS) {
         sched_yield();
     } else {
@@ -69,12 +77,15 @@ static ddp_status xfer_try(ddp_xfer *t, int *moved) {
 /* Sleep until some unfinished transfer's link is ready or a slice passes. */
 static ddp_status xfer_wait(ddp_xfer *x, int n, struct pollfd *fds, ddp_wait w,
                             unsigned *idle) {
-    int nfds = 0, spin = 0;
+    int nfds = 0, spin = 0, park_alone = 1;
+    ddp_link *park = NULL;
     for (int i = 0; i < n; i++) {
         if (x[i].parked || x[i].done >= x[i].len) continue;
         int fd = x[i].link->ops->wait_fd(x[i].link);
         if (fd < 0) {
             spin = 1;
+            if (park == NULL && x[i].link->ops->park) park = x[i].link;
+            else if (x[i].link != park) park_alone = 0;
             continue;
         }
         fds[nfds].fd = fd;
@@ -83,8 +94,9 @@ static ddp_status xfer_wait(ddp_xfer *x, int n, struct pollfd *fds, ddp_wait w,
         nfds++;
     }
     if (spin) {
-        /* Descriptor links are retried on the next round anyway. */
-        spin_backoff(idle);
+        /* Descriptor links are retried on the next round anyway; parking
+         * would only delay them, so park only when there are none. */
+        spin_backoff(idle, nfds == 0 ? park : NULL, park_alone);
         return DDP_OK;
     }
     if (poll(fds, (nfds_t)nfds, ddp_wait_slice(w)) < 0 && errno != EINTR)

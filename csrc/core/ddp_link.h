@@ -34,6 +34,12 @@ typedef struct ddp_link_ops {
     void (*shutdown)(ddp_link *l);
     /* Release resources; the link struct itself is freed by ddp_link_free. */
     void (*destroy)(ddp_link *l);
+    /* Optional (NULL if absent), for links without a descriptor: block for
+     * at most timeout_us until the peer may have made progress possible on
+     * this link in either direction; returning early is always allowed. The
+     * driver parks here instead of spinning once a wait lasts, so a waiting
+     * rank gives its core away and is still woken at once. */
+    void (*park)(ddp_link *l, int timeout_us);
 } ddp_link_ops;
 
 struct ddp_link {

@@ -36,8 +36,11 @@
 #include <sys/types.h>
 #include <unistd.h>
 #ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #endif
+#include <time.h>
 
 #define SHM_SLICE (64u << 10)        /* publish head/tail at least this often */
 #define CMA_PIECE (1u << 20)         /* bytes per process_vm_readv call */
@@ -63,8 +66,57 @@ typedef struct shm_impl {
     uint64_t rx_addr, rx_len, rx_copied;
     ddp_link *liveness;             /* the pair's TCP link, idle after the upgrade */
     int64_t last_check_us;
+    uint64_t park_sig;              /* the peer's counters when we last parked */
     atomic_int shut;
 } shm_impl;
+
+/* ---- parking: sleep until the peer moves ------------------------------ */
+
+/* The peer's counters that can unblock this side, summed: any change means
+ * there may be something to do. */
+static uint64_t peer_signature(const shm_impl *s) {
+    const shm_hdr *h = s->h;
+    return atomic_load_explicit(&s->rxc->head, memory_order_acquire) +
+           atomic_load_explicit(&s->txc->tail, memory_order_acquire) +
+           atomic_load_explicit(&h->desc[s->side].copied, memory_order_acquire) +
+           atomic_load_explicit(&h->desc[1 - s->side].posted, memory_order_acquire) +
+           atomic_load_explicit(&h->closed[1 - s->side], memory_order_acquire);
+}
+
+/* After publishing progress: wake the peer if it is parked. The fence pairs
+ * with shm_park's, so either the peer sees our counter or we see its flag. */
+static void wake_peer(shm_impl *s) {
+    int p = 1 - s->side;
+    atomic_thread_fence(memory_order_seq_cst);
+    if (!atomic_load_explicit(&s->h->sleeping[p], memory_order_relaxed)) return;
+    atomic_fetch_add_explicit(&s->h->bell[p], 1u, memory_order_release);
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)&s->h->bell[p], FUTEX_WAKE, 1, NULL, NULL, 0);
+#endif
+}
+
+/* ddp_link_ops.park: sleep on this side's bell until the peer rings it or
+ * timeout_us passes; return at once if the peer moved since the last park. */
+static void shm_park(ddp_link *l, int timeout_us) {
+    shm_impl *s = l->impl;
+    shm_hdr *h = s->h;
+    uint32_t bell = atomic_load_explicit(&h->bell[s->side], memory_order_acquire);
+    atomic_store_explicit(&h->sleeping[s->side], 1u, memory_order_relaxed);
+    atomic_thread_fence(memory_order_seq_cst);
+    uint64_t sig = peer_signature(s);
+    if (sig == s->park_sig && !atomic_load_explicit(&s->shut, memory_order_relaxed)) {
+        struct timespec ts = {timeout_us / 1000000, (long)(timeout_us % 1000000) * 1000};
+#ifdef __linux__
+        syscall(SYS_futex, (uint32_t *)&h->bell[s->side], FUTEX_WAIT, bell, &ts, NULL, 0);
+#else
+        (void)bell;
+        nanosleep(&ts, NULL);
+#endif
+        sig = peer_signature(s);
+    }
+    s->park_sig = sig;
+    atomic_store_explicit(&h->sleeping[s->side], 0u, memory_order_relaxed);
+}
 
 /* ---- liveness -------------------------------------------------------- */
 
@@ -144,6 +196,7 @@ static ddp_status ring_send(shm_impl *s, const uint8_t *src, size_t want, size_t
         space -= k;
     }
     *done += moved;
+    wake_peer(s);
     return DDP_OK;
 }
 
@@ -168,6 +221,7 @@ static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done
         avail -= k;
     }
     *done += moved;
+    wake_peer(s);
     return DDP_OK;
 }
 
@@ -222,6 +276,7 @@ static ddp_status desc_post(shm_impl *s, const uint8_t *src, size_t len, size_t 
     s->desc_len = len;
     s->desc_reported = 0;
     atomic_store_explicit(&d->posted, ++s->desc_seq, memory_order_release);
+    wake_peer(s);
     return desc_progress(s, done);
 }
 
@@ -260,6 +315,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
     *done += (size_t)r;
     if (s->rx_copied == s->rx_len) s->rx_desc_done = posted;
     atomic_store_explicit(&d->copied, s->rx_copied, memory_order_release);
+    wake_peer(s);
     return DDP_OK;
 }
 
@@ -307,6 +363,7 @@ static void shm_shutdown(ddp_link *l) {
     shm_impl *s = l->impl;
     atomic_store(&s->shut, 1);
     atomic_store_explicit(&s->h->closed[s->side], 1u, memory_order_release);
+    wake_peer(s);
     if (s->liveness) ddp_link_shutdown(s->liveness);
 }
 
@@ -315,6 +372,7 @@ static void shm_destroy(ddp_link *l) {
     if (s == NULL) return;
     /* Tell a peer still waiting on us, before the mapping goes away. */
     atomic_store_explicit(&s->h->closed[s->side], 1u, memory_order_release);
+    wake_peer(s);
     ddp_link_free(s->liveness);
     ddp_shm_seg_close(s->seg);
     free(s);
@@ -328,6 +386,7 @@ static const ddp_link_ops shm_ops = {
     .wait_fd = shm_wait_fd,
     .shutdown = shm_shutdown,
     .destroy = shm_destroy,
+    .park = shm_park,
 };
 
 static size_t cma_min_bytes(void) {

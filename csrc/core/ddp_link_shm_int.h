@@ -16,7 +16,7 @@
 #include "ddp_link_shm.h"
 
 #define SHM_MAGIC 0x4d484444u      /* "DDHM" */
-#define SHM_VERSION 2u
+#define SHM_VERSION 3u
 #define SHM_PROBE 0x70794464704d4143ull  /* read across processes to test CMA */
 #define RING_MIN (64u << 10)
 #define RING_MAX (256u << 20)
@@ -44,6 +44,8 @@ typedef struct shm_hdr {
     uint64_t probe[2];                         /* address of SHM_PROBE in side s */
     _Alignas(64) _Atomic uint32_t closed[2];   /* side s has shut down */
     _Atomic uint32_t cma_ok[2];                /* receiver of ring d can read side d */
+    _Alignas(64) _Atomic uint32_t bell[2];     /* futex word side s parks on */
+    _Atomic uint32_t sleeping[2];              /* side s is parked (or about to be) */
     shm_ring_ctl ring[2];                      /* ring d: side d -> side 1-d */
     shm_desc desc[2];                          /* large sends of side d */
 } shm_hdr;
