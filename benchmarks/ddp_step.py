@@ -6,9 +6,10 @@ the cost of DDP itself at world size 1. One command runs both parts:
 Part 1 launches 2 ranks with stock torchrun. Each rank builds the same ~21M-parameter
 MLP twice, wraps one copy in torch's DDP (gloo) and the other in pyddp's DDP (pyddp's
 CPU backend), and times full steps (zero_grad, forward, backward with the gradient
-all-reduce, SGD step) alternately, in rounds, so that both see the same machine
+all-reduce, SGD step) in turns, one step each, so that both see the same machine
 conditions. Part 2 runs one process (world size 1) and times the same step with no
-DDP, pyddp's DDP and torch's DDP. Prints the median step times and the ratios.
+DDP, pyddp's DDP and torch's DDP. Prints the median step times (wall clock, and the
+process's CPU time, which a busy machine disturbs far less) and the ratios.
 Compute threads: one per rank (torchrun's OMP_NUM_THREADS=1; part 2 matches it).
 """
 import argparse
@@ -25,8 +26,8 @@ ROOT = os.path.dirname(HERE)
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="timed steps per round and variant")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round and variant")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
@@ -44,29 +45,35 @@ def make_model(hidden):
                          nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def timed_steps(model, opt, x, y, n):
-    """Per-step wall times of n full training steps."""
+def timed_step(model, opt, x, y):
+    """(wall, CPU) seconds of one full training step. CPU time is this process's, all
+    threads: on a busy machine it is far steadier than wall time."""
     import torch.nn.functional as F
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return times
+    t0, c0 = time.perf_counter(), time.process_time()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def compare(variants, args, x, y):
-    """Warm each variant up, then time them alternately for args.rounds rounds.
-    variants: name -> (model, optimizer). Returns name -> median step seconds."""
+    """Warm each variant up, then time them in turns, one step each, args.steps *
+    args.rounds times, so that slow phases of a shared machine hit all of them alike.
+    variants: name -> (model, optimizer). Returns name -> (median wall, median CPU)."""
     for model, opt in variants.values():
-        timed_steps(model, opt, x, y, args.warmup)
+        for _ in range(args.warmup):
+            timed_step(model, opt, x, y)
     samples = {name: [] for name in variants}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds * args.steps):
         for name, (model, opt) in variants.items():
-            samples[name] += timed_steps(model, opt, x, y, args.steps)
-    return {name: statistics.median(t) for name, t in samples.items()}
+            samples[name].append(timed_step(model, opt, x, y))
+    return {name: tuple(statistics.median(s[k] for s in t) for k in (0, 1))
+            for name, t in samples.items()}
+
+
+def report(med):
+    for name, (wall, cpu) in med.items():
+        print(f"  {name:18s} {wall * 1000:8.1f} ms/step wall  {cpu * 1000:8.1f} ms/step CPU")
 
 
 def sgd(model):
@@ -93,9 +100,9 @@ def worker(args):
     if rank == 0:
         print(f"{world} ranks, {nparams / 1e6:.1f}M parameters, batch {args.batch} per rank, "
               f"{torch.get_num_threads()} compute thread(s) per rank")
-        for name, t in med.items():
-            print(f"  {name:18s} {t * 1000:8.1f} ms/step")
-        print(f"  pyddp / torch step time ratio: {med['pyddp DDP'] / med['torch DDP (gloo)']:.3f}")
+        report(med)
+        print(f"  pyddp / torch step time ratio: "
+              f"{med['pyddp DDP'][0] / med['torch DDP (gloo)'][0]:.3f}")
     pyddp.destroy_process_group()
     tdist.destroy_process_group()
 
@@ -122,10 +129,10 @@ def single(args):
     med = compare({"no DDP": (plain, sgd(plain)), "pyddp DDP": (ours, sgd(ours)),
                    "torch DDP (gloo)": (ref, sgd(ref))}, args, x, y)
     print("world size 1, 1 compute thread")
-    for name, t in med.items():
-        print(f"  {name:18s} {t * 1000:8.1f} ms/step")
+    report(med)
     for name in ("pyddp DDP", "torch DDP (gloo)"):
-        print(f"  {name} overhead over no DDP: {(med[name] / med['no DDP'] - 1) * 100:+.1f}%")
+        wall, cpu = (med[name][k] / med["no DDP"][k] - 1 for k in (0, 1))
+        print(f"  {name} overhead over no DDP: {wall * 100:+.1f}% wall, {cpu * 100:+.1f}% CPU")
     pyddp.destroy_process_group()
     tdist.destroy_process_group()
 

@@ -167,11 +167,12 @@ size_t ddp_reducer_pending(const ddp_reducer *r);
  * otherwise, nothing changed). With track_used, the local use flags are
  * all-reduced (sum) after the buckets. Then waits, in bucket order, for
  * every all-reduce; if w expires or is aborted first it returns
- * DDP_ERR_TIMEOUT / DDP_ERR_ABORTED and may simply be called again. Once
- * everything is done: if all succeeded, copies each average to its
- * copy_back destination, skipping parameters that no rank used (when
- * tracking use); ends the iteration either way and returns the first error,
- * naming the bucket. */
+ * DDP_ERR_TIMEOUT / DDP_ERR_ABORTED and may simply be called again. Each
+ * average goes to its copy_back destination: without track_used as soon as
+ * its bucket is done (overlapping the later buckets), with it once the use
+ * flags are known, skipping parameters that no rank used. After a failure
+ * nothing more is copied. Ends the iteration once everything is done and
+ * returns the first error, naming the bucket. */
 ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, ddp_wait w);
 
 /* After a successful finish with track_used: how many ranks used parameter

@@ -166,11 +166,26 @@ static ddp_status wait_one(ddp_reducer *r, void **h, size_t b, ddp_wait w, int r
     return DDP_OK;
 }
 
-/* Wait for everything launched, from next_wait on, then the use flags. */
-static ddp_status wait_all(ddp_reducer *r, ddp_wait w, int record) {
+/* Copy bucket b's averages to their copy-back targets, skipping parameters no
+ * rank used when track_used. */
+static void copy_back_bucket(ddp_reducer *r, size_t b, int track_used) {
+    const ddp_plan *p = &r->plan;
+    size_t esz = ddp_dtype_size(p->bucket_dtype[b]);
+    for (size_t k = p->bucket_begin[b]; k < p->bucket_begin[b + 1]; k++) {
+        size_t i = p->members[k];
+        if (r->copy_back[i] == NULL || (track_used && r->used_global[i] == 0)) continue;
+        memcpy(r->copy_back[i], ddp_reducer_slot(r, i), p->param_numel[i] * esz);
+    }
+}
+
+/* Wait for everything launched, from next_wait on, then the use flags. With
+ * copy_early, each bucket is copied back as soon as it is done, while later
+ * buckets are still on the wire. */
+static ddp_status wait_all(ddp_reducer *r, ddp_wait w, int record, int copy_early) {
     for (; r->next_wait < r->plan.nbuckets; r->next_wait++) {
         ddp_status st = wait_one(r, &r->works[r->next_wait], r->next_wait, w, record);
         if (st != DDP_OK) return st;
+        if (copy_early && r->failed == DDP_OK) copy_back_bucket(r, r->next_wait, 0);
     }
     return wait_one(r, &r->used_work, SIZE_MAX, w, record);
 }
@@ -208,17 +223,12 @@ ddp_status ddp_reducer_finish(ddp_reducer *r, int track_used, ddp_wait w) {
         return ddp_error(DDP_ERR_INVALID, "reducer: no bucket buffers attached");
     /* The use flags go after the last bucket, like torch's local_used_map. */
     if (track_used && !r->used_launched) launch_used(r);
-    ddp_status st = wait_all(r, w, 1);
+    /* Without use flags each bucket's copy-back overlaps the later buckets'
+     * all-reduces; with them it must wait until the flags are known. */
+    ddp_status st = wait_all(r, w, 1, !track_used);
     if (st != DDP_OK) return st;
-    if (r->failed == DDP_OK) {
-        for (size_t i = 0; i < p->nparams; i++) {
-            if (r->copy_back[i] == NULL) continue;
-            if (track_used && r->used_global[i] == 0) continue;  /* no rank used it */
-            size_t b = p->param_bucket[i];
-            memcpy(r->copy_back[i], ddp_reducer_slot(r, i),
-                   p->param_numel[i] * ddp_dtype_size(p->bucket_dtype[b]));
-        }
-    }
+    if (track_used && r->failed == DDP_OK)
+        for (size_t b = 0; b < p->nbuckets; b++) copy_back_bucket(r, b, 1);
     return end_with_status(r);
 }
 
@@ -227,7 +237,7 @@ const int32_t *ddp_reducer_global_used(const ddp_reducer *r) { return r->used_gl
 ddp_status ddp_reducer_drain(ddp_reducer *r, ddp_wait w) {
     if (r->bufs != NULL) {
         r->next_wait = 0;
-        ddp_status st = wait_all(r, w, 0);
+        ddp_status st = wait_all(r, w, 0, 0);
         if (st != DDP_OK) return st;
     }
     r->failed = DDP_OK;
