@@ -76,6 +76,9 @@ def exercise(writer, reader, ns):
     assert reader.check([ns + "cs2"]) is False
     writer.append(ns + "ap", "ab")
     writer.append(ns + "ap", b"cd")
+    # APPEND has no reply: a round trip on the writer's own connection orders it before
+    # the reader's request (the server serves each connection in order, not across them)
+    assert writer.get(ns + "ap") == b"abcd"
     assert reader.get(ns + "ap") == b"abcd"
     assert writer.num_keys() == reader.num_keys()
     n = writer.num_keys()
