@@ -3,6 +3,7 @@ against one plain TCP stream over the same link, in one run.
 
     sudo python benchmarks/two_hosts.py                  # 1 rank per host, 8 B .. 256 MiB
     sudo python benchmarks/two_hosts.py --per-host 2 -- -e 64M --ops all_reduce
+    sudo python benchmarks/two_hosts.py --rate 2gbit       # the link, not the CPU, limits
 
 Creates two network namespaces with a veth pair between them (tests/netns.py; needs root
 and iproute2), starts the ranks in them with plain RANK/WORLD_SIZE/MASTER_* variables
@@ -23,12 +24,15 @@ from netns import NetnsUnavailable, exec_prefix, two_hosts  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-host", type=int, default=1, help="ranks per namespace (1)")
+    ap.add_argument("--rate", default=None,
+                    help="cap each direction of the link (tc tbf), e.g. 2gbit; without it "
+                    "the veth link is as fast as the CPUs can copy")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("bench_args", nargs="*", help="arguments for pyddp.bench (after --)")
     a = ap.parse_args()
     ws = 2 * a.per_host
     try:
-        with two_hosts() as hosts:
+        with two_hosts(a.rate) as hosts:
             def prefix(rank):
                 h = hosts[rank // a.per_host]
                 # gloo picks its interface by name; pyddp by the route to the store.
@@ -39,7 +43,8 @@ def main():
                                   timeout=a.timeout)
     except NetnsUnavailable as e:
         sys.exit(f"two_hosts.py: {e}")
-    print(f"## two network namespaces joined by veth, {a.per_host} rank(s) per namespace")
+    print(f"## two network namespaces joined by veth ({a.rate or 'no rate cap'}), "
+          f"{a.per_host} rank(s) per namespace")
     print(results[0].stdout, end="")
     bad = [r for r in results if r.returncode != 0]
     for r in bad:

@@ -29,10 +29,12 @@ def _ip(*args):
 
 
 @contextlib.contextmanager
-def two_hosts():
+def two_hosts(rate=None):
     """Yield (Host a, Host b): two namespaces with loopback up and a veth link between
-    them (Host: namespace name, its address, its veth interface). Raises
-    NetnsUnavailable when they cannot be made; whatever was made is removed."""
+    them (Host: namespace name, its address, its veth interface). rate (e.g. "2gbit")
+    caps each direction with a token-bucket filter, so the link, not the CPU copying
+    through veth, is the bottleneck, as between real hosts. Raises NetnsUnavailable
+    when they cannot be made; whatever was made is removed."""
     if os.geteuid() != 0:
         raise NetnsUnavailable("network namespaces need root")
     if shutil.which("ip") is None:
@@ -53,6 +55,12 @@ def two_hosts():
         for n, v, a in zip(ns, veth, addr):
             _ip("-n", n, "addr", "add", f"{a}/30", "dev", v)
             _ip("-n", n, "link", "set", v, "up")
+            if rate:
+                r = subprocess.run(["tc", "-n", n, "qdisc", "add", "dev", v, "root", "tbf",
+                                    "rate", rate, "burst", "512kb", "latency", "20ms"],
+                                   capture_output=True, text=True, timeout=20)
+                if r.returncode != 0:
+                    raise NetnsUnavailable(f"tc tbf rate {rate} failed: {r.stderr.strip()}")
         yield Host(ns[0], addr[0], veth[0]), Host(ns[1], addr[1], veth[1])
     finally:
         for n in made:
