@@ -37,20 +37,24 @@ class ToyModel(nn.Module):
         return self.net2(self.relu(self.net1(x)))
 
 
-def demo_basic(rank):
-    print(f"Running basic DDP example on rank {rank}.")
-    model = ToyModel()
-    ddp_model = DDP(model)
-
+def train_step(ddp_model):
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
 
     optimizer.zero_grad()
     outputs = ddp_model(torch.randn(20, 10))
     labels = torch.randn(20, 5)
-    loss_fn(outputs, labels).backward()
+    loss = loss_fn(outputs, labels)
+    loss.backward()
     optimizer.step()
-    print(f"rank {rank}: basic step done, loss {loss_fn(ddp_model(torch.randn(20, 10)), labels):.4f}")
+    return loss.item()
+
+
+def demo_basic(rank):
+    print(f"Running basic DDP example on rank {rank}.")
+    model = ToyModel()
+    ddp_model = DDP(model)
+    print(f"rank {rank}: basic step done, loss {train_step(ddp_model):.4f}")
 
 
 def demo_checkpoint(rank):
@@ -70,15 +74,7 @@ def demo_checkpoint(rank):
     # 0 saves it.
     dist.barrier()
     ddp_model.load_state_dict(torch.load(CHECKPOINT_PATH, map_location="cpu"))
-
-    loss_fn = nn.MSELoss()
-    optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
-
-    optimizer.zero_grad()
-    outputs = ddp_model(torch.randn(20, 10))
-    labels = torch.randn(20, 5)
-    loss_fn(outputs, labels).backward()
-    optimizer.step()
+    train_step(ddp_model)
 
     # Not necessary to use a dist.barrier() to guard the file deletion below
     # as the AllReduce ops in the backward pass of DDP already served as

@@ -170,13 +170,13 @@ static PyObject *size_list(const size_t *v, size_t n) {
     return l;
 }
 
+/* Use flags and counts (never negative) as a list of ints. */
 static PyObject *int32_list(const int32_t *v, size_t n) {
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; l && i < n; i++) {
-        PyObject *x = PyLong_FromLong(v[i]);
-        if (x == NULL) { Py_CLEAR(l); break; }
-        PyList_SET_ITEM(l, (Py_ssize_t)i, x);
-    }
+    size_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
+    if (tmp == NULL) return PyErr_NoMemory();
+    for (size_t i = 0; i < n; i++) tmp[i] = (size_t)(v[i] > 0 ? v[i] : 0);
+    PyObject *l = size_list(tmp, n);
+    PyMem_Free(tmp);
     return l;
 }
 
