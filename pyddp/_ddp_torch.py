@@ -24,8 +24,8 @@ import torch
 from . import _C
 from ._ddp_reducer import GradSync
 from ._group import default_pg, default_timeout_ms, get_rank, get_world_size
-from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes, use_generic_path,
-                  verify_across_ranks)
+from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
+                  sync_initial_state, use_generic_path)
 
 
 def _on_grad(ddp_ref, i, param):
@@ -79,12 +79,12 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
         self._params = params
         with torch.no_grad():
             if init_sync:
-                verify_across_ranks(names, params)
-                if get_world_size() > 1:
-                    states = [p.detach() for _, p in named]
-                    if broadcast_buffers:
-                        states += [b.detach() for b in self._module_buffers]
-                    broadcast_coalesced(states, pg, self._timeout_ms)
+                states = [(n, p.detach()) for n, p in named]
+                if broadcast_buffers:
+                    states += [(n, b.detach()) for n, b in module.named_buffers()
+                               if n not in ignore]
+                sync_initial_state([n for n, _ in states], [t for _, t in states], pg,
+                                   self._timeout_ms)
             self._sync = GradSync(
                 [p.detach() for p in params], names, self._get_grad, self._set_grad, pg=pg,
                 rank=get_rank(), world_size=get_world_size(),

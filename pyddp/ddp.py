@@ -87,9 +87,18 @@ def use_generic_path(pg, arrays, forced):
                for a in arrays)
 
 
-def verify_across_ranks(names, arrays, what="parameter"):
-    """Every rank must hold the same parameters (names, shapes, dtypes, count); raise the
-    same DistValueError on every rank, naming the first difference and the ranks."""
+def sync_initial_state(names, arrays, pg, timeout_ms):
+    """Construction: check that every rank holds the same state, then overwrite it with
+    rank 0's (names/arrays: parameters, then the buffers that are broadcast)."""
+    verify_across_ranks(names, arrays)
+    if get_world_size() > 1:
+        broadcast_coalesced(arrays, pg, timeout_ms)
+
+
+def verify_across_ranks(names, arrays):
+    """Every rank must hold the same parameters and buffers (names, shapes, dtypes,
+    count); raise the same DistValueError on every rank, naming the first difference
+    and the ranks. One object all-gather; nothing is sent when world size is 1."""
     mine = [(n, tuple(int(d) for d in a.shape), str(a.dtype).rsplit(".", 1)[-1])
             for n, a in zip(names, arrays)]
     world = get_world_size()
@@ -102,16 +111,17 @@ def verify_across_ranks(names, arrays, what="parameter"):
         other = everyone[r]
         if other == ref:
             continue
-        if len(other) != len(ref):
-            raise _C.DistValueError(
-                f"DDP: ranks hold different models: rank 0 has {len(ref)} {what}s but rank "
-                f"{r} has {len(other)}; build the same model on every rank")
         for k, (a, b) in enumerate(zip(ref, other)):
             if a != b:
                 raise _C.DistValueError(
-                    f"DDP: ranks hold different models: {what} {k} is {a[0]!r} with shape "
-                    f"{a[1]} and dtype {a[2]} on rank 0 but {b[0]!r} with shape {b[1]} and "
-                    f"dtype {b[2]} on rank {r}; build the same model on every rank")
+                    f"DDP: ranks hold different models: entry {k} of the parameters and "
+                    f"buffers is {a[0]!r} with shape {a[1]} and dtype {a[2]} on rank 0 but "
+                    f"{b[0]!r} with shape {b[1]} and dtype {b[2]} on rank {r}; build the "
+                    f"same model on every rank")
+        raise _C.DistValueError(
+            f"DDP: ranks hold different models: rank 0 has {len(ref)} parameters and buffers "
+            f"but rank {r} has {len(other)} (the first {min(len(ref), len(other))} agree); "
+            f"build the same model on every rank")
 
 
 def broadcast_coalesced(arrays, pg, timeout_ms):
@@ -234,10 +244,9 @@ class ArrayDDP(DistributedDataParallel):
         self._pg, self._timeout_ms = pg, default_timeout_ms()
         self._buffers = self._find_buffers(module)
         if init_sync:
-            verify_across_ranks(names, arrays)
-            if get_world_size() > 1:
-                broadcast_coalesced(arrays + (self._buffers if broadcast_buffers else []),
-                                    pg, self._timeout_ms)
+            bufs = self._buffers if broadcast_buffers else []
+            sync_initial_state(names + [f"buffer {i}" for i in range(len(bufs))],
+                               arrays + bufs, pg, self._timeout_ms)
         self._sync = GradSync(
             arrays, names, self._get_grad, self._set_grad, pg=pg, rank=get_rank(),
             world_size=get_world_size(), bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
