@@ -5,12 +5,12 @@ Two layers, shared by the torch front-end (``_ddp_torch``) and the array front-e
 
 ``BucketEngine`` owns one bucket plan (made by the C reducer, ``_C.Reducer``), the
 bucket arrays (allocated with the parameters' own library, dtype and device) and a
-view of each parameter's slot. It moves data on one of two paths:
+view of each parameter's slot. Its two subclasses move the data:
 
-* the **C path** (CPU arrays on pyddp's CPU process group): ``_C.Reducer`` copies each
+* ``CPath`` (CPU arrays on pyddp's CPU process group): ``_C.Reducer`` copies each
   ready gradient into its slot and queues each full bucket's averaged all-reduce on
   the communicator's worker thread, then waits and copies the averages back;
-* the **generic path** (any library and device, any backend whose process group has
+* ``GenericPath`` (any library and device, any backend whose process group has
   ``submit``, e.g. NCCL): the same C bookkeeping decides which buckets may start, and
   Python copies with the array library and all-reduces through ``pg.submit``.
 
@@ -74,17 +74,17 @@ def wait_all(works):
 
 
 class BucketEngine:
-    """One bucket plan with its arrays and slot views, on the C or the generic path.
+    """One bucket plan with its arrays and slot views; the data movement is the
+    subclass's (CPath or GenericPath; ``make_engine`` picks).
 
     params: the parameter arrays (torch tensors, NumPy or CuPy arrays), registration
     order. order: their expected ready order (None: reverse registration order).
     """
 
-    def __init__(self, params, pg, world_size, cap_bytes, generic, timeout_ms, order=None):
+    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None):
         self._params = params
         self._pg = pg
         self._world = world_size
-        self._generic = generic
         self._timeout_ms = timeout_ms
         specs = [(A.numel(p), dtype_name(p), device_key(p)) for p in params]
         # The first bucket is small so that communication starts early in backward
@@ -99,12 +99,9 @@ class BucketEngine:
             self.buckets.append(b)
         self.views = [self.buckets[pbucket[i]][poffset[i]:poffset[i] + A.numel(p)]
                       .reshape(tuple(p.shape)) for i, p in enumerate(params)]
-        self._works = []        # generic path: bucket all-reduces in flight, in order
         self._copy_back = {}    # index -> gradient the average is copied into by Python
-        if not generic:
-            self._c.attach(pg if world_size > 1 else None, self.buckets)
 
-    # -- bookkeeping shared by both paths --------------------------------------------
+    # -- bookkeeping (C) shared by both paths -----------------------------------------
     def begin(self):
         self._c.begin()
 
@@ -121,14 +118,41 @@ class BucketEngine:
     def arrival(self):
         return self._c.arrival()
 
-    # -- data ------------------------------------------------------------------------
+    def _copy_back_python(self, used):
+        for i, g in self._copy_back.items():
+            if used is None or used[i]:
+                A.copy_into(g, self.views[i])
+        self._copy_back.clear()
+
+    # -- data: the subclass's ------------------------------------------------------------
     def ready(self, i, grad, copy_back):
         """Parameter i's gradient (None: zeros) is final for this iteration: put it in
         its slot and start every bucket that may now start. With copy_back, finish()
         writes the average into grad."""
-        if self._generic:
-            self._ready_generic(i, grad, copy_back)
-        elif grad is not None and not A.is_contiguous(grad):
+        raise NotImplementedError
+
+    def finish(self, track_used):
+        """Wait for every bucket and copy the averages back (skipping parameters no rank
+        used, when track_used). Returns the per-parameter count of ranks that used it
+        (track_used) or None. Ends the iteration, also on error."""
+        raise NotImplementedError
+
+    def drain(self):
+        """Error path: wait for whatever is in flight, ignore results, end the iteration."""
+        raise NotImplementedError
+
+
+class CPath(BucketEngine):
+    """Host memory on pyddp's CPU process group: _C.Reducer copies each gradient into
+    its slot, queues full buckets on the communicator's worker thread, waits and copies
+    back, all in C."""
+
+    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None):
+        super().__init__(params, pg, world_size, cap_bytes, timeout_ms, order)
+        self._c.attach(pg if world_size > 1 else None, self.buckets)
+
+    def ready(self, i, grad, copy_back):
+        if grad is not None and not A.is_contiguous(grad):
             # The C path takes contiguous memory only: stage through the slot.
             A.copy_into(self.views[i], grad)
             if copy_back:
@@ -137,7 +161,30 @@ class BucketEngine:
         else:
             self._c.ready(i, None if grad is None else A.for_core(grad), copy_back)
 
-    def _ready_generic(self, i, grad, copy_back):
+    def finish(self, track_used):
+        try:
+            self._c.finish(track_used)
+            used = self._c.global_used() if track_used else None
+            self._copy_back_python(used)
+            return used
+        finally:
+            self._copy_back.clear()
+
+    def drain(self):
+        self._copy_back.clear()
+        self._c.drain()
+
+
+class GenericPath(BucketEngine):
+    """Any array library and device, any backend with ``submit`` (NCCL, ...): the C
+    bookkeeping says which buckets may start; Python copies with the array library and
+    all-reduces each bucket through ``pg.submit``."""
+
+    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None):
+        super().__init__(params, pg, world_size, cap_bytes, timeout_ms, order)
+        self._works = []        # bucket all-reduces in flight, in bucket order
+
+    def ready(self, i, grad, copy_back):
         view = self.views[i]
         stays = self._world == 1 and copy_back   # the average over one rank is grad itself
         if grad is None:
@@ -153,22 +200,11 @@ class BucketEngine:
                                                    None, _C.OP_AVG, 0, self._timeout_ms))
 
     def finish(self, track_used):
-        """Wait for every bucket and copy the averages back (skipping parameters no rank
-        used, when track_used). Returns the per-parameter count of ranks that used it
-        (track_used) or None. Ends the iteration, also on error."""
-        if not self._generic:
-            try:
-                self._c.finish(track_used)
-                used = self._c.global_used() if track_used else None
-                self._copy_back_python(used)
-                return used
-            finally:
-                self._copy_back.clear()
         try:
             used = None
             if track_used:
                 used = self._c.local_used()
-                if self._world > 1:
+                if self._world > 1:     # after the buckets, like the C path
                     flags = int_array_like(A.for_core(self._params[0]), used, np.int32)
                     self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, flags, None,
                                                        _C.OP_SUM, 0, self._timeout_ms))
@@ -182,23 +218,19 @@ class BucketEngine:
             self._copy_back.clear()
             self._c.end()
 
-    def _copy_back_python(self, used):
-        for i, g in self._copy_back.items():
-            if used is None or used[i]:
-                A.copy_into(g, self.views[i])
-
     def drain(self):
-        """Error path: wait for whatever is in flight, ignore results, end the iteration."""
         self._copy_back.clear()
-        if self._generic:
-            works, self._works = self._works, []
-            try:
-                wait_all(works)
-            except BaseException:  # noqa: B902 - the caller is already raising its own error
-                pass
-            self._c.end()
-        else:
-            self._c.drain()
+        works, self._works = self._works, []
+        try:
+            wait_all(works)
+        except BaseException:  # noqa: B902 - the caller is already raising its own error
+            pass
+        self._c.end()
+
+
+def make_engine(params, pg, world_size, cap_bytes, generic, timeout_ms, order=None):
+    return (GenericPath if generic else CPath)(params, pg, world_size, cap_bytes, timeout_ms,
+                                               order)
 
 
 class GradSync:
@@ -221,7 +253,7 @@ class GradSync:
         self.static_graph = static_graph
         self.dynamic_unused = find_unused and not static_graph
         self.view_mode = view_mode
-        self.engine = BucketEngine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms)
+        self.engine = make_engine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms)
         self.expect = False          # a synced backward is expected (hooks reduce)
         self.started = False         # a gradient arrived in this synced iteration
         self.broken = None           # message of an unrecoverable error
@@ -383,8 +415,8 @@ class GradSync:
         order = int_array_like(A.for_core(self.params[0]), self._order_seen, np.int64)
         if self.world > 1:
             self._pg.submit(_C.COLL_BROADCAST, order, None, 0, 0, self._timeout_ms).wait()
-        engine = BucketEngine(self.params, self._pg, self.world, self._cap, self._generic,
-                              self._timeout_ms, order=order.tolist())
+        engine = make_engine(self.params, self._pg, self.world, self._cap, self._generic,
+                             self._timeout_ms, order=order.tolist())
         self.engine = engine
         self.rebuilt = True
         self._order_seen = None
