@@ -315,6 +315,20 @@ static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The communicator must still exist: destroy_process_group() frees it even while
+ * this Reducer holds the ProcessGroup object. 0, or -1 with an exception. */
+static int check_comm(ReducerObject *self) {
+    if (self->pg == NULL) return 0;
+    struct ddp_comm *c = ddp_py_pg_comm(self->pg);
+    if (c == NULL) return -1;
+    if (c != self->comm) {
+        ddp_py_raise(DDP_ERR_INVALID, "DDP: the process group this model was wrapped with "
+                     "was destroyed; wrap the model again after init_process_group()");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
     PyObject *idx, *grad;
     int copy_back;
@@ -323,6 +337,7 @@ static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
     if (param_index(self, idx, &i) < 0) return NULL;
     if (self->buckets == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: no buckets attached");
+    if (check_comm(self) < 0) return NULL;
     ddp_py_array g;
     memset(&g, 0, sizeof g);
     if (grad != Py_None) {
@@ -359,6 +374,15 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "p", &track_used)) return NULL;
     if (self->buckets == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.finish: no buckets attached");
+    if (check_comm(self) < 0) {
+        /* Its work failed when the communicator went away: let go of it. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        drain_blocking(self);
+        release_grads(self);
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
     ddp_status st;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
