@@ -325,8 +325,8 @@ class GradSync:
             # Raised inside autograd: remember why, so the next forward explains it
             # instead of reporting missing gradients.
             if not self.broken:
-                self._fail(f"DDP: rank {self.rank}: the gradient reduction failed while "
-                           f"gradients arrived: {e}", cause=e)
+                self._fail(f"DDP: rank {self.rank}: the gradient reduction failed: {e}",
+                           cause=e)
             raise
         return first
 
