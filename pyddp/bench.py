@@ -305,7 +305,10 @@ def tcp_stream(args, rank, world):
 def init_gloo(rank, world):
     """torch's gloo in the same processes, rendezvousing through pyddp's store server
     (or torchrun's agent store) under its own key prefix."""
+    import warnings
     import torch.distributed as tdist
+    # torch suggests *_single for the *_tensor names it is compared under; not our concern
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
     from pyddp._group import _State
     st = tdist.TCPStore(_State.store.host, _State.store.port, is_master=False,
                         wait_for_workers=False)
