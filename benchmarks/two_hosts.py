@@ -38,7 +38,8 @@ def main():
                 # gloo picks its interface by name; pyddp by the route to the store.
                 return exec_prefix(h.ns) + ["env", f"GLOO_SOCKET_IFNAME={h.ifname}"]
             results = spawn_ranks(os.path.join(ROOT, "pyddp", "bench.py"), ws,
-                                  args=["--tcp-stream", "--compare-gloo"] + a.bench_args,
+                                  args=["--tcp-stream", "--compare-gloo", "--stream-peer",
+                                        str(a.per_host)] + a.bench_args,
                                   master_addr=hosts[0].addr, prefix=prefix,
                                   timeout=a.timeout)
     except NetnsUnavailable as e:

@@ -69,11 +69,15 @@ def parse_args(argv):
     p.add_argument("--compare-gloo", action="store_true",
                    help="also run torch's gloo backend in the same processes, interleaved")
     p.add_argument("--tcp-stream", action="store_true",
-                   help="measure one plain TCP stream rank 1 -> rank 0 first (yardstick)")
+                   help="measure one plain TCP stream to rank 0 first (yardstick)")
     p.add_argument("--stream-bytes", type=parse_size, default=1 << 30,
                    help="bytes the TCP stream moves (1G)")
+    p.add_argument("--stream-peer", type=int, default=1,
+                   help="rank that streams to rank 0 (1); pick one on another host")
     a = p.parse_args(argv)
     a.ops = [o.strip() for o in a.ops.split(",") if o.strip()]
+    if a.stream_peer < 1:
+        p.error("--stream-peer must be a rank other than 0")
     bad = [o for o in a.ops if o not in OPS]
     if bad:
         p.error(f"unknown collective(s) {bad}; choose from {', '.join(OPS)}")
@@ -253,9 +257,9 @@ def sizes(args):
 # ---- a single TCP stream (the yardstick between hosts) ------------------------------
 
 def tcp_stream(args, rank, world):
-    """GB/s of one TCP connection moving args.stream_bytes from rank 1 to rank 0 over
-    the address pyddp advertises, with large socket buffers, as a plain sendall/recv_into
-    pair would do it (the best a single stream does on this link)."""
+    """GB/s of one TCP connection moving args.stream_bytes from rank args.stream_peer to
+    rank 0 over the address pyddp advertises, with large socket buffers, as a plain
+    sendall/recv_into pair would do it (the best a single stream does on this link)."""
     from pyddp import _env
     buf = bytearray(8 << 20)
     view = memoryview(buf)
@@ -285,7 +289,7 @@ def tcp_stream(args, rank, world):
         conn.sendall(b"k")
         conn.close()
         srv.close()
-    elif rank == 1:
+    elif rank == args.stream_peer:
         c = socket.create_connection(addr[0], timeout=60)
         c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -322,7 +326,7 @@ def header(args, world, compare, stream):
              f"{args.rounds} rounds per size (median), host {socket.gethostname()}, "
              f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}"]
     if stream:
-        lines.append(f"# single TCP stream rank 1 -> rank 0: {stream:.3f} GB/s")
+        lines.append(f"# single TCP stream rank {args.stream_peer} -> rank 0: {stream:.3f} GB/s")
     cols = f"{'collective':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}"
     side = f" {'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
     pct = " %stream" if stream else ""
@@ -342,7 +346,10 @@ def main(argv=None):
     dist.init_process_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     tdist = init_gloo(rank, world) if args.compare_gloo else None
-    stream = tcp_stream(args, rank, world) if args.tcp_stream and world >= 2 else 0.0
+    if args.tcp_stream and not 1 <= args.stream_peer < world:
+        raise SystemExit(f"--stream-peer {args.stream_peer} is not a rank of this "
+                         f"{world}-rank job")
+    stream = tcp_stream(args, rank, world) if args.tcp_stream else 0.0
     backends = ["pyddp", "gloo"] if tdist else ["pyddp"]
     if rank == 0:
         print(header(args, world, bool(tdist), stream), flush=True)
