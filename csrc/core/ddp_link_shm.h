@@ -4,10 +4,12 @@
  * A segment holds two single-producer/single-consumer byte rings, one per
  * direction, each with its head (written by the producer) and tail (written
  * by the consumer) on separate cache lines. Side 0 (the creator) sends on
- * ring 0 and receives on ring 1; side 1 the reverse. Bytes are copied into
- * the ring by the sender and out of it by the receiver; head/tail are
- * published in slices so the receiver starts copying while the sender is
- * still writing.
+ * ring 0 and receives on ring 1; side 1 the reverse. Small sends are copied
+ * into the ring and out again; large ones (PYDDP_SHM_CMA_MIN) are copied by
+ * the receiver straight out of the sender's memory with process_vm_readv
+ * where the two processes may do that (probed when the link is made). A
+ * waiting side parks on a futex in the segment (ddp_link_ops.park) and the
+ * other side wakes it when it publishes progress.
  *
  * The link keeps the pair's original TCP link for liveness only: nothing is
  * sent on it after the upgrade, so EOF or an error on it means the peer died
