@@ -406,7 +406,7 @@ ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store, ddp_com
     c->group.size = c->size;
     c->group.links = c->links;
     c->group.small_bytes = env_size("PYDDP_SMALL_BYTES", 64 * 1024);
-    c->group.chunk_bytes = env_size("PYDDP_CHUNK_BYTES", 1 << 20);
+    c->group.chunk_bytes = env_size("PYDDP_CHUNK_BYTES", 256 << 10);
     if (pthread_create(&c->worker, NULL, worker_main, c) != 0) {
         st = ddp_error(DDP_ERR_SYS, "could not start the communication thread: %s", strerror(errno));
         goto fail;
