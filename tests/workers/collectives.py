@@ -4,7 +4,8 @@ Run under torchrun or with plain RANK/WORLD_SIZE/MASTER_* variables. Every rank'
 is a deterministic function of (rank, case), so each rank computes the expected result
 of every collective locally with NumPy (in float64 / exact integers) and compares. Values
 are small multiples of 1/8 so float16/bfloat16 sums are exact and comparisons can be
-exact. Prints "PASS <checks>" on success; raises on the first wrong result.
+exact. Prints "PASS <checks>" on success; raises on the first wrong result. Inputs and the
+reference are in reference.py.
 """
 import argparse
 import os
@@ -13,59 +14,9 @@ import sys
 import numpy as np
 
 import pyddp as dist
+from reference import FLOATS, INTS, Checker, data, reference
 
-FLOATS = ["float16", "float32", "float64"]
-INTS = ["int8", "uint8", "int32", "int64"]
 COUNTS = [0, 1, 7, 1000, 40_003]       # 40_003 float64 > 64 KiB: the bandwidth path
-
-
-def data(rank, case, n, dtype, op=None):
-    rng = np.random.default_rng(1000 * rank + case)
-    if dtype == "bool":
-        return rng.integers(0, 2, n).astype(bool)
-    if op == "PRODUCT":
-        v = rng.integers(1, 3, n)
-    elif dtype in ("uint8",):
-        v = rng.integers(0, 40, n)
-    else:
-        v = rng.integers(-16, 17, n)
-    if dtype in FLOATS:
-        return (v / 8.0).astype(dtype)
-    return v.astype(dtype)
-
-
-def reference(arrs, op, dtype):
-    x = np.stack([a.astype(np.float64) if dtype != "bool" else a for a in arrs])
-    if dtype == "bool":
-        return {"SUM": x.any(0), "MAX": x.any(0), "MIN": x.all(0), "PRODUCT": x.all(0)}[op]
-    if op == "SUM":
-        r = x.sum(0)
-    elif op == "AVG":
-        r = x.sum(0) / len(arrs)
-        if dtype in INTS:
-            r = np.trunc(r)
-    elif op == "MIN":
-        r = x.min(0)
-    elif op == "MAX":
-        r = x.max(0)
-    else:
-        r = x.prod(0)
-    return r.astype(dtype)
-
-
-class Checker:
-    def __init__(self):
-        self.n = 0
-
-    def eq(self, got, want, what, exact=True):
-        self.n += 1
-        got = np.asarray(got)
-        ok = np.array_equal(got, want) if exact else np.allclose(
-            got.astype(np.float64), want.astype(np.float64), rtol=1e-3, atol=1e-3)
-        if not ok:
-            bad = np.flatnonzero(np.asarray(got).ravel() != np.asarray(want).ravel())[:5]
-            raise AssertionError(f"rank {dist.get_rank()}: {what}: wrong result at {bad}: "
-                                 f"got {got.ravel()[bad]}, want {want.ravel()[bad]}")
 
 
 def run_numpy(ck, rank, ws):
@@ -224,7 +175,7 @@ def main():
     dist.init_process_group(a.backend)
     rank, ws = dist.get_rank(), dist.get_world_size()
     assert int(os.environ["RANK"]) == rank and int(os.environ["WORLD_SIZE"]) == ws
-    ck = Checker()
+    ck = Checker(rank)
     run_numpy(ck, rank, ws)
     run_objects(ck, rank, ws)
     if not a.no_torch:

@@ -26,9 +26,8 @@ import time
 import numpy as np
 
 import pyddp as dist
+from reference import FLOATS, INTS, Checker, data, reference
 
-FLOATS = ["float16", "float32", "float64"]
-INTS = ["int8", "uint8", "int32", "int64"]
 OPS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
 COUNTS = [3, 300_001]          # latency path; bandwidth path, > ring and > chunk
 
@@ -42,39 +41,6 @@ def shm_maps():
 
 def own_names():
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"pyddp-{os.getpid()}-")]
-
-
-def data(rank, case, n, dtype, op="SUM"):
-    rng = np.random.default_rng(7919 * case + rank)
-    lo, hi = (1, 3) if op == "PRODUCT" else ((0, 30) if dtype == "uint8" else (-12, 13))
-    v = rng.integers(lo, hi, n)
-    return (v / 4.0).astype(dtype) if dtype in FLOATS else v.astype(dtype)
-
-
-def reference(arrs, op, dtype):
-    x = np.stack([a.astype(np.float64) for a in arrs])
-    r = {"SUM": x.sum(0), "MIN": x.min(0), "MAX": x.max(0), "PRODUCT": x.prod(0),
-         "AVG": x.sum(0) / len(arrs)}[op]
-    if op == "AVG" and dtype in INTS:
-        r = np.trunc(r)
-    if dtype in INTS and np.iinfo(dtype).bits < 64:   # wraps as C integer arithmetic does
-        info = np.iinfo(dtype)
-        r = (r.astype(np.int64) - info.min) % (1 << info.bits) + info.min
-    return r.astype(dtype)
-
-
-class Checks:
-    def __init__(self, rank):
-        self.n, self.rank = 0, rank
-
-    def eq(self, got, want, what, exact=True):
-        self.n += 1
-        ok = np.array_equal(got, want) if exact else np.allclose(
-            got.astype(np.float64), want.astype(np.float64), rtol=2e-3, atol=1e-6)
-        if not ok:
-            bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))[:5]
-            raise AssertionError(f"rank {self.rank}: {what}: wrong at {bad}: got "
-                                 f"{got[bad]}, want {want[bad]}")
 
 
 def run_all(ck, rank, ws):
@@ -165,7 +131,7 @@ def main():
     if a.victim >= 0:
         run_victim(rank, a.victim)
         return
-    ck = Checks(rank)
+    ck = Checker(rank)
     if a.big:
         run_big(ck, rank, ws, a.big)
     else:
