@@ -96,6 +96,23 @@ def copy_into(dst, src):
         dst[...] = src.reshape(dst.shape)
 
 
+def pack(lst, like):
+    """A new flat array (like's dtype, library and device) holding lst's arrays one
+    after another; each has like's element count."""
+    n = numel(like)
+    out = empty_flat(for_core(like), len(lst) * n)
+    for r, t in enumerate(lst):
+        copy_into(out[r * n:(r + 1) * n], flat(Staged(t).array))
+    return out
+
+
+def unpack_into(lst, src):
+    """lst[r][...] = block r of flat array src (the inverse of pack)."""
+    n = numel(src) // len(lst) if lst else 0
+    for r, t in enumerate(lst):
+        copy_into(t, src[r * n:(r + 1) * n])
+
+
 def check_list(lst, name, length, like):
     """Validate a list of output/input arrays: a list of `length` arrays, each with
     the element count and dtype of `like`."""

@@ -139,12 +139,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     A.check_list(tensor_list, "tensor_list", ws, tensor)
     inp = A.Staged(tensor)
     flat = A.empty_flat(inp.array, ws * A.numel(tensor))
-    n = A.numel(tensor)
-
-    def copy_out():
-        for r, t in enumerate(tensor_list):
-            A.copy_into(t, flat[r * n:(r + 1) * n])
-    return _run(_C.COLL_ALLGATHER, inp.array, flat, 0, 0, async_op, copy_out)
+    return _run(_C.COLL_ALLGATHER, inp.array, flat, 0, 0, async_op,
+                lambda: A.unpack_into(tensor_list, flat))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -163,10 +159,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     ws = get_world_size()
     A.check_list(input_list, "input_list", ws, output)
     opc = _op(op)
-    n = A.numel(output)
-    flat = A.empty_flat(A.for_core(output), ws * n)
-    for r, t in enumerate(input_list):
-        A.copy_into(flat[r * n:(r + 1) * n], A.flat(A.Staged(t).array))
+    flat = A.pack(input_list, output)
     out = A.Staged(output)
     return _run(_C.COLL_REDUCE_SCATTER, flat, out.array, opc, 0, async_op, _finisher(out))
 
@@ -182,13 +175,9 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
             raise _C.DistValueError("gather_list must be None or empty on non-destination ranks")
         return _run(_C.COLL_GATHER, inp.array, None, 0, dst, async_op)
     A.check_list(gather_list, "gather_list", ws, tensor)
-    n = A.numel(tensor)
-    flat = A.empty_flat(inp.array, ws * n)
-
-    def copy_out():
-        for r, t in enumerate(gather_list):
-            A.copy_into(t, flat[r * n:(r + 1) * n])
-    return _run(_C.COLL_GATHER, inp.array, flat, 0, dst, async_op, copy_out)
+    flat = A.empty_flat(inp.array, ws * A.numel(tensor))
+    return _run(_C.COLL_GATHER, inp.array, flat, 0, dst, async_op,
+                lambda: A.unpack_into(gather_list, flat))
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
@@ -202,10 +191,7 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
             raise _C.DistValueError("scatter_list must be None or empty on non-source ranks")
         return _run(_C.COLL_SCATTER, None, out.array, 0, src, async_op, _finisher(out))
     A.check_list(scatter_list, "scatter_list", ws, tensor)
-    n = A.numel(tensor)
-    flat = A.empty_flat(out.array, ws * n)
-    for r, t in enumerate(scatter_list):
-        A.copy_into(flat[r * n:(r + 1) * n], A.flat(A.Staged(t).array))
+    flat = A.pack(scatter_list, tensor)
     return _run(_C.COLL_SCATTER, flat, out.array, 0, src, async_op, _finisher(out))
 
 
