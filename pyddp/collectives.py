@@ -48,7 +48,9 @@ class Work:
 
     ``wait(timeout=None)`` blocks until it finishes (the GIL is released; Ctrl-C aborts
     the group), raises its error if it failed, then finishes any copy-out; it returns
-    True. ``is_completed()`` never blocks.
+    True. ``is_completed()`` never blocks. Keep the handle until it completed: a
+    handle dropped earlier waits for its collective when it is garbage-collected (the
+    arrays it writes must stay alive until then).
     """
 
     def __init__(self, work, post=None):
@@ -67,7 +69,18 @@ class Work:
         return True
 
     def is_completed(self):
-        return self._done or self._work.is_completed()
+        """True once the collective finished and its results are in the caller's arrays
+        (the copy-out of list outputs and staged arrays runs here, so a True answer
+        never shows stale data). Never blocks; an error is raised by wait()."""
+        if self._done:
+            return True
+        if not self._work.is_completed():
+            return False
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - reported by wait()/exception(), not here
+            pass
+        return True
 
     def is_success(self):
         return self.is_completed() and self._work.exception() is None

@@ -180,3 +180,15 @@ def test_ctrl_c_interrupts_a_collective_and_aborts_the_group():
     assert after["after"] and "aborted" in after["msg"], after
     r1 = [r for r in rs if r.get("rank") == 1][0]
     assert r1["cls"] and "DistError" in r1["cls"] and r1["seconds"] < 10, r1
+
+
+def test_work_handles_threads_copy_out_leaks_and_destroy():
+    res = spawn_ranks("scenarios.py", 2, args=["handles"], env={"PYDDP_TIMEOUT": "60"},
+                      timeout=60)
+    rs = results(res)
+    assert len(rs) == 2, [r.output for r in res]
+    for r in rs:
+        assert r["gathered"] and r["leak_free"], r
+    r0 = [r for r in rs if r["rank"] == 0][0]
+    assert r0["destroy_seconds"] < 2, r0           # not the peer's 3 s, nor the timeout
+    assert r0["pending"] and "DistError" in r0["pending"], r0

@@ -45,7 +45,7 @@ struct ddp_work {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int done;
-    int refs;           /* caller + worker */
+    int refs;           /* caller + worker + ddp_work_retain calls */
     ddp_status status;
     char msg[1024];
     ddp_work *next;
@@ -143,6 +143,12 @@ ddp_status ddp_work_wait(ddp_work *work, ddp_wait w) {
 
 const char *ddp_work_error(const ddp_work *work) { return work->msg; }
 
+void ddp_work_retain(ddp_work *work) {
+    pthread_mutex_lock(&work->mu);
+    work->refs++;
+    pthread_mutex_unlock(&work->mu);
+}
+
 void ddp_work_release(ddp_work *work) {
     if (work) work_unref(work);
 }
@@ -172,6 +178,21 @@ void ddp_comm_abort(ddp_comm *c, const char *reason) {
 
 /* ---- worker thread -------------------------------------------------- */
 
+/* Copy the broken message under the lock; returns whether the group is broken. */
+static int copy_broken(ddp_comm *c, char *buf, size_t len) {
+    pthread_mutex_lock(&c->mu);
+    int b = c->broken;
+    if (b) snprintf(buf, len, "%s", c->broken_msg);
+    pthread_mutex_unlock(&c->mu);
+    return b;
+}
+
+static void worker_idle(ddp_comm *c) {
+    pthread_mutex_lock(&c->mu);
+    c->running = 0;
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void *worker_main(void *arg) {
     ddp_comm *c = arg;
     for (;;) {
@@ -181,6 +202,7 @@ static void *worker_main(void *arg) {
         if (w == NULL) { pthread_mutex_unlock(&c->mu); break; }
         c->head = w->next;
         if (c->head == NULL) c->tail = NULL;
+        c->running = 1;
         int broken = c->broken;
         char bmsg[sizeof c->broken_msg];
         if (broken) memcpy(bmsg, c->broken_msg, sizeof bmsg);
@@ -192,12 +214,14 @@ static void *worker_main(void *arg) {
                      "rank %d: %s cannot run: the process group is broken by an earlier "
                      "error: %s", c->rank, ddp_coll_name(w->args.kind), bmsg);
             work_finish(w, DDP_ERR_ABORTED, msg);
+            worker_idle(c);
             continue;
         }
         ddp_wait wt = ddp_wait_for(w->timeout_ms, &c->abort_flag);
         ddp_status st = ddp_coll_run(&c->group, &w->args, wt);
         if (st == DDP_OK) {
             work_finish(w, DDP_OK, NULL);
+            worker_idle(c);
             continue;
         }
         /* The algorithms' messages already name the collective, the rank and
@@ -208,13 +232,14 @@ static void *worker_main(void *arg) {
                      "calling a different collective; the timeout is set by "
                      "init_process_group(timeout=...) or PYDDP_TIMEOUT.", ddp_last_error(),
                      w->timeout_ms / 1000.0);
-        else if (st == DDP_ERR_ABORTED && c->broken)
+        else if (st == DDP_ERR_ABORTED && copy_broken(c, bmsg, sizeof bmsg))
             snprintf(msg, sizeof msg, "rank %d: %s aborted: %s", c->rank,
-                     ddp_coll_name(w->args.kind), c->broken_msg);
+                     ddp_coll_name(w->args.kind), bmsg);
         else
             snprintf(msg, sizeof msg, "%s", ddp_last_error());
         comm_break(c, msg);
         work_finish(w, st, msg);
+        worker_idle(c);
     }
     return NULL;
 }
@@ -318,12 +343,18 @@ static ddp_status accept_peers(ddp_comm *c, int lfd, uint64_t tag, ddp_wait w) {
         if (st != DDP_OK)
             return ddp_error_prefix(st, "rank %d waiting for %d higher rank(s) to connect: ",
                                     c->rank, need);
+        /* A peer sends its hello right after connecting; a connection that stays
+         * silent (a port scanner, a health check) is dropped after a few seconds
+         * rather than holding up the rendezvous until its deadline. */
         hello h;
-        st = ddp_sock_recv_all(fd, &h, sizeof h, w, "a connecting peer");
+        ddp_wait hw = ddp_wait_for(5000, w.abort);
+        if (hw.deadline_ms > w.deadline_ms) hw.deadline_ms = w.deadline_ms;
+        st = ddp_sock_recv_all(fd, &h, sizeof h, hw, "a connecting peer");
         if (st != DDP_OK || h.magic != HELLO_MAGIC || h.tag != tag || h.rank <= c->rank ||
             h.rank >= c->size || h.size != c->size || c->links[h.rank] != NULL) {
-            close(fd);  /* a stray or stale connection: not ours, ignore it */
-            if (st == DDP_ERR_TIMEOUT || st == DDP_ERR_ABORTED) return st;
+            close(fd);  /* a stray, stale or silent connection: not ours, ignore it */
+            if (st == DDP_ERR_ABORTED || (st == DDP_ERR_TIMEOUT && ddp_wait_expired(w)))
+                return st;
             continue;
         }
         c->links[h.rank] = ddp_link_tcp_new(fd, h.rank, c->desc[h.rank]);
@@ -424,10 +455,16 @@ void ddp_comm_destroy(ddp_comm *c) {
     if (c == NULL) return;
     if (c->has_worker) {
         pthread_mutex_lock(&c->mu);
+        int pending = c->head != NULL || c->running;
+        pthread_mutex_unlock(&c->mu);
+        /* Work still queued or running when the group is destroyed would wait for
+         * peers until its deadline: break the group so it fails at once (and peers
+         * waiting on this rank see the connection close). */
+        if (pending) ddp_comm_abort(c, "destroy_process_group() was called with work pending");
+        pthread_mutex_lock(&c->mu);
         c->stopping = 1;
         pthread_cond_signal(&c->cv);
         pthread_mutex_unlock(&c->mu);
-        /* Queued work drains: it fails fast once the links are shut down. */
         pthread_join(c->worker, NULL);
     }
     for (int r = 0; c->links && r < c->size; r++) ddp_link_free(c->links[r]);

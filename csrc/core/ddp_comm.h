@@ -68,6 +68,9 @@ int ddp_work_done(ddp_work *w);
  * DDP_ERR_ABORTED for the wait itself (the work keeps running). */
 ddp_status ddp_work_wait(ddp_work *work, ddp_wait w);
 const char *ddp_work_error(const ddp_work *work);
+/* Take one more reference (e.g. for a thread that waits on the work while
+ * another may release it); each retain needs a ddp_work_release. */
+void ddp_work_retain(ddp_work *work);
 /* Drop the caller's reference (the worker holds its own until done). */
 void ddp_work_release(ddp_work *work);
 

@@ -24,6 +24,7 @@ struct ddp_comm {
     pthread_cond_t cv;
     struct ddp_work *head, *tail;
     int stopping;
+    int running;           /* the worker is running a collective */
     int broken;
     char broken_msg[1400];
     atomic_int abort_flag; /* set when broken: every wait returns ABORTED */

@@ -214,8 +214,24 @@ static int from_cai(PyObject *obj, PyObject *cai, int writable, const char *argn
     if (t < 0) return bad_dtype(argname, ts ? ts : "?");
     size_t n = 1;
     Py_ssize_t nd = PyTuple_Size(shape);
-    for (Py_ssize_t i = 0; i < nd; i++) n *= (size_t)PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
-    if (strides && strides != Py_None) {
+    int has_strides = strides && strides != Py_None;
+    if (has_strides && (!PyTuple_Check(strides) || PyTuple_Size(strides) != nd)) {
+        PyErr_Format(PyExc_TypeError, "%s has a malformed __cuda_array_interface__ "
+                     "(strides do not match shape)", argname);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        PyObject *d = PyTuple_GetItem(shape, i);
+        if (!PyLong_Check(d) || PyLong_AsSsize_t(d) < 0 ||
+            (has_strides && !PyLong_Check(PyTuple_GetItem(strides, i)))) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s has a malformed __cuda_array_interface__ "
+                         "(shape and strides must be tuples of non-negative ints)", argname);
+            return -1;
+        }
+        n *= (size_t)PyLong_AsSsize_t(d);
+    }
+    if (has_strides) {
         size_t expect = ddp_dtype_size((ddp_dtype)t);
         for (Py_ssize_t i = nd - 1; i >= 0; i--) {
             Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));

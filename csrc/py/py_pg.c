@@ -235,13 +235,16 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     if (import_opt(ao, writable_a, "input", &w->a) < 0 ||
         import_opt(bo, 1, "output", &w->b) < 0 ||
         ddp_py_coll_args_fill(kind, size, rank, root, &w->a, &w->b, &ca) < 0) {
-        w->finished = 1;
-        Py_DECREF(w);
+        Py_DECREF(w);   /* dealloc releases whatever the imports took */
         return NULL;
+    }
+    /* The imports ran Python code (__dlpack__), which may have destroyed the group. */
+    if (self->comm == NULL) {
+        Py_DECREF(w);
+        return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     }
     ddp_status st = ddp_comm_submit(self->comm, &ca, timeout_ms, &w->work);
     if (st != DDP_OK) {
-        w->finished = 1;
         Py_DECREF(w);
         return ddp_py_raise(st, NULL);
     }
@@ -294,14 +297,25 @@ static void work_finish(WorkObject *w) {
     ddp_py_array_release(&w->b);
 }
 
-/* Block (GIL released) until the work is done, however long. */
-static void work_block(WorkObject *w) {
-    if (w->work == NULL) return;
+/* Wait up to ms (GIL released) on the core work; returns whether it is done.
+ * Holds its own reference, since another thread may call work_finish (which
+ * releases w->work) while this one waits. Requires w->work != NULL. */
+static int work_wait_slice(WorkObject *w, ddp_wait slice) {
+    ddp_work *cw = w->work;
+    int done;
+    ddp_work_retain(cw);
     Py_BEGIN_ALLOW_THREADS
-    while (ddp_work_wait(w->work, ddp_wait_for(1000, NULL)) == DDP_ERR_TIMEOUT &&
-           !ddp_work_done(w->work)) {
-    }
+    ddp_work_wait(cw, slice);
+    done = ddp_work_done(cw);
+    ddp_work_release(cw);
     Py_END_ALLOW_THREADS
+    return done;
+}
+
+/* Block until the work is done, however long (GIL released meanwhile). */
+static void work_block(WorkObject *w) {
+    while (!w->finished && w->work != NULL && !work_wait_slice(w, ddp_wait_for(1000, NULL))) {
+    }
 }
 
 static PyObject *work_raise(WorkObject *w) {
@@ -319,12 +333,8 @@ static PyObject *work_wait(WorkObject *w, PyObject *args, PyObject *kw) {
     for (;;) {
         ddp_wait slice = ddp_wait_for(100, NULL);
         if (total.deadline_ms < slice.deadline_ms) slice.deadline_ms = total.deadline_ms;
-        int done;
-        Py_BEGIN_ALLOW_THREADS
-        ddp_work_wait(w->work, slice);
-        done = ddp_work_done(w->work);
-        Py_END_ALLOW_THREADS
-        if (done) break;
+        if (w->finished) return work_raise(w);   /* another thread finished it */
+        if (work_wait_slice(w, slice)) break;
         if (PyErr_CheckSignals() < 0) {
             /* Interrupted: break the group so the worker (and the peers)
              * stop, then wait for the worker to let go of the arrays. */
@@ -343,7 +353,7 @@ static PyObject *work_wait(WorkObject *w, PyObject *args, PyObject *kw) {
                                 "collective finished; it is still running");
         }
     }
-    work_finish(w);
+    work_finish(w);   /* no-op if another thread got there first */
     return work_raise(w);
 }
 

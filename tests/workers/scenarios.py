@@ -169,6 +169,46 @@ def sc_sigint(rank, ws):
         report(rank=rank, cls=classes(cls) if cls else None, msg=msg, seconds=round(dt, 2))
 
 
+def sc_handles(rank, ws):
+    """Work handles: several threads waiting on one handle, is_completed() only after
+    the copy-out, no references kept by a rejected call, destroy with work pending."""
+    import sys as _sys
+    dist.init_process_group("cpu")
+    for _ in range(50):
+        x = np.ones(1000)
+        w = dist.all_reduce(x, async_op=True)
+        ts = [threading.Thread(target=w.wait) for _ in range(3)]
+        for t in ts:
+            t.start()
+        w.wait()
+        for t in ts:
+            t.join()
+        assert np.all(x == ws)
+    lst = [np.zeros(4) for _ in range(ws)]
+    w = dist.all_gather(lst, np.full(4, float(rank)), async_op=True)
+    while not w.is_completed():
+        time.sleep(0.001)
+    gathered_ok = all(np.all(lst[r] == r) for r in range(ws))
+    a, b = np.ones(3), np.ones(5)
+    before = (_sys.getrefcount(a), _sys.getrefcount(b))
+    for _ in range(20):
+        expect_error(lambda: dist.all_gather_into_tensor(b, a))
+    leak_free = (_sys.getrefcount(a), _sys.getrefcount(b)) == before
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 0:
+        pending = dist.irecv(np.empty(4), src=1)   # rank 1 never sends
+        dist.destroy_process_group()
+        destroy_s = time.monotonic() - t0
+        cls, msg, _ = expect_error(pending.wait)
+        report(rank=rank, gathered=gathered_ok, leak_free=leak_free,
+               destroy_seconds=round(destroy_s, 2), pending=classes(cls) if cls else None)
+    else:
+        time.sleep(3)
+        dist.destroy_process_group()
+        report(rank=rank, gathered=gathered_ok, leak_free=leak_free)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario")
@@ -190,6 +230,8 @@ def main():
         sc_gil(rank, ws)
     elif a.scenario == "reinit":
         sc_reinit(rank, ws)
+    elif a.scenario == "handles":
+        sc_handles(rank, ws)
     elif a.scenario == "sigint":
         sc_sigint(rank, ws)
     elif a.scenario == "init_method":
