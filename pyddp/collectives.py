@@ -102,12 +102,10 @@ def _run(kind, a=None, b=None, op=0, root=0, async_op=False, post=None):
     return None
 
 
-def _finisher(*staged, extra=None):
+def _finisher(*staged):
     def post():
         for s in staged:
             s.finish()
-        if extra is not None:
-            extra()
     return post
 
 
