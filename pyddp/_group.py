@@ -10,6 +10,7 @@ and keeps pyddp out of the way of torch code using the same store.
 """
 import logging
 import os
+import re
 import sys
 import time
 import uuid
@@ -119,10 +120,17 @@ def _connect_store(addr, port, timeout_s, world_size=None):
             store.set_timeout(_td(timeout_s))
             return store
         except _C.DistNetworkError as e:
+            m = re.search(r"last error: ([^)]*)", str(e))
+            reason = m.group(1) if m else "unreachable"
             if time.monotonic() >= deadline:
-                raise
-            _warn_slow(str(e).split(" (last error: ")[-1].rstrip(").") if "last error" in str(e)
-                       else "unreachable", addr, port, time.monotonic() - start, timeout_s)
+                # one message for the whole wait, not for its last 15-second slice
+                raise _C.DistNetworkError(
+                    f"rank {_State.rank}: could not connect to the store at {addr}:{port} "
+                    f"within {timeout_s:.1f} s (last error: {reason}). Check that the "
+                    f"rank-0 node is running, that MASTER_ADDR/MASTER_PORT are right, and "
+                    f"that a firewall or cloud security-group rule allows TCP to port "
+                    f"{port} from this host.") from None
+            _warn_slow(reason, addr, port, time.monotonic() - start, timeout_s)
 
 
 def _td(s):
