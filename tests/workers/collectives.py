@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 import pyddp as dist
-from reference import FLOATS, INTS, Checker, data, reference
+from reference import FLOATS, INTS, Checker, check_all_reduce, data, reference
 
 COUNTS = [0, 1, 7, 1000, 40_003]       # 40_003 float64 > 64 KiB: the bandwidth path
 
@@ -27,11 +27,7 @@ def run_numpy(ck, rank, ws):
         for op in ops:
             for n in COUNTS:
                 case += 1
-                x = data(rank, case, n, dtype, op)
-                want = reference([data(r, case, n, dtype, op) for r in range(ws)], op, dtype)
-                dist.all_reduce(x, op=dist.ReduceOp[op])
-                ck.eq(x, want, f"all_reduce {dtype} {op} n={n}",
-                      exact=not (op == "AVG" and dtype in FLOATS))
+                check_all_reduce(dist, ck, rank, ws, case, n, dtype, op)
         for n in (0, 5, 40_003):
             for root in range(ws):
                 case += 1

@@ -60,3 +60,12 @@ class Checker:
             bad = np.flatnonzero(got.ravel() != want.ravel())[:5]
             raise AssertionError(f"rank {self.rank}: {what}: wrong result at {bad}: got "
                                  f"{got.ravel()[bad]}, want {want.ravel()[bad]}")
+
+
+def check_all_reduce(dist, ck, rank, ws, case, n, dtype, op):
+    """One all_reduce of rank's input for `case` through pyddp (`dist`), checked against
+    the reference; AVG of floats is compared with a tolerance (one rounding differs)."""
+    x = data(rank, case, n, dtype, op)
+    want = reference([data(r, case, n, dtype, op) for r in range(ws)], op, dtype)
+    dist.all_reduce(x, op=dist.ReduceOp[op])
+    ck.eq(x, want, f"all_reduce {dtype} {op} n={n}", exact=not (op == "AVG" and dtype in FLOATS))
