@@ -57,6 +57,7 @@ typedef struct ddp_group {
     int rank, size;
     ddp_link **links;       /* [size]; links[rank] == NULL */
     uint64_t seq;           /* collectives run so far; advanced by ddp_coll_run */
+    uint64_t tag;           /* identifies the group (set by the communicator; in headers) */
     void *scratch;          /* staging memory owned by the group (may grow) */
     size_t scratch_len;
     size_t small_bytes;     /* messages up to this size take the latency path */
