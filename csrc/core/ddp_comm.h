@@ -17,6 +17,20 @@
  * moments), queued work fails, and later submissions fail at once with the
  * original error. ddp_comm_abort does the same on demand.
  *
+ * Subgroups (ddp_comm_subgroup) are views of a communicator over a subset
+ * of its ranks: they run on the parent's links and worker thread (no second
+ * rendezvous, no new connections), with their own rank numbering, sequence
+ * numbers and group tag (carried in every collective header, so a rank that
+ * calls a collective on the wrong group is a mismatch, not a hang). All of a
+ * process's groups share one queue: collectives run in the order this
+ * process submitted them, across groups. A failure on any group breaks the
+ * whole communicator and every group over it.
+ *
+ * Lifetimes: communicators are reference-counted. ddp_comm_destroy ends
+ * communication and drops the owner's reference; works, subgroups and other
+ * borrowers (ddp_comm_retain) keep the memory valid until they release it,
+ * and calls on a destroyed communicator fail with DDP_ERR_INVALID.
+ *
  * Buffers named in submitted work must stay valid until the work is done.
  */
 #ifndef DDP_COMM_H
@@ -25,9 +39,10 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include "ddp_coll.h"
+#include "ddp_pg.h"
 #include "ddp_store.h"
 
-#define DDP_WIRE_VERSION 1
+#define DDP_WIRE_VERSION 2
 
 typedef struct ddp_comm ddp_comm;
 typedef struct ddp_work ddp_work;
@@ -49,6 +64,21 @@ typedef struct ddp_comm_config {
 ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store,
                            ddp_comm **out);
 
+/* Member-only, no communication: a view of parent over the parent ranks
+ * ranks[0..n-1] (strictly increasing, this rank among them), whose
+ * collectives carry `tag` (the same on every member, different from every
+ * other group's). Holds a reference on parent. DDP_ERR_INVALID for bad
+ * ranks, a destroyed parent, or a rank not in the list. */
+ddp_status ddp_comm_subgroup(ddp_comm *parent, int n, const int *ranks, uint64_t tag,
+                             ddp_comm **out);
+
+/* Take / drop a reference that keeps c's memory valid (thread-safe). */
+void ddp_comm_retain(ddp_comm *c);
+void ddp_comm_release(ddp_comm *c);
+
+/* c behind the one process-group interface (ddp_pg.h). */
+ddp_pg ddp_comm_pg(ddp_comm *c);
+
 int ddp_comm_rank(const ddp_comm *c);
 int ddp_comm_size(const ddp_comm *c);
 /* Human description of peer r, e.g. "rank 1 (10.0.0.2:40411)". */
@@ -56,10 +86,17 @@ const char *ddp_comm_peer_desc(const ddp_comm *c, int r);
 /* Host identity string of rank r, as published at rendezvous. */
 const char *ddp_comm_host_id(const ddp_comm *c, int r);
 
+/* The rank of c's group rank r in the communicator c was made from by
+ * ddp_comm_create (its "world"); r itself for such a communicator. */
+int ddp_comm_world_rank(const ddp_comm *c, int r);
+
 /* Validate and queue one collective. timeout_ms < 0 uses the default.
  * On success *out is a handle the caller must release. */
 ddp_status ddp_comm_submit(ddp_comm *c, const ddp_coll_args *a,
                            int64_t timeout_ms, ddp_work **out);
+/* The same with options (timeout, completion notification; ddp_pg.h). */
+ddp_status ddp_comm_submit_opts(ddp_comm *c, const ddp_coll_args *a, const ddp_pg_opts *o,
+                                ddp_work **out);
 
 /* Nonzero once the work finished (successfully or not). Never blocks. */
 int ddp_work_done(ddp_work *w);
@@ -76,7 +113,9 @@ void ddp_work_release(ddp_work *work);
 
 /* Break the communicator now (thread-safe). */
 void ddp_comm_abort(ddp_comm *c, const char *reason);
-/* Abort, join the worker, close links, free. NULL is a no-op. */
+/* For a communicator from ddp_comm_create: abort pending work, join the
+ * worker and close the links; for a subgroup: refuse further work. Then
+ * drop the owner's reference (borrowers keep the memory). NULL: no-op. */
 void ddp_comm_destroy(ddp_comm *c);
 
 #endif

@@ -1,6 +1,16 @@
 /* ddp_comm_internal.h - the communicator's private state, shared by the files
- * that implement it (ddp_comm.c: rendezvous and worker; ddp_comm_shm.c: the
- * same-host upgrade of links). Nothing outside the communicator includes it.
+ * that implement it: ddp_comm_boot.c (rendezvous, version check, peer
+ * connections), ddp_comm.c (work queue, worker thread, subgroups, lifetimes)
+ * and ddp_comm_shm.c (the same-host upgrade of links). Nothing outside the
+ * communicator includes it.
+ *
+ * Who owns what: a communicator made by ddp_comm_create (a "root") owns the
+ * links, the rendezvous strings and the engine (queue, worker, broken state).
+ * A subgroup owns only its rank map, its borrowed-link array and its group
+ * state; it holds a reference on its root and uses the root's engine. The
+ * worker thread alone touches links and group state (seq, scratch) while
+ * running work; `mu` of the root guards the queue, stopping, broken and the
+ * freeing of links.
  */
 #ifndef DDP_COMM_INTERNAL_H
 #define DDP_COMM_INTERNAL_H
@@ -10,17 +20,24 @@
 #include "ddp_comm.h"
 
 struct ddp_comm {
-    int rank, size;
+    int rank, size;        /* in this group */
     int64_t timeout_ms;
-    ddp_link **links;      /* [size], owned; links[rank] == NULL */
-    char **lines;          /* [size] rendezvous lines, owned */
-    char **desc;           /* [size] "rank r (host:port)", owned */
-    char **host_ids;       /* [size] host identities, owned */
+    ddp_link **links;      /* [size]; links[rank] == NULL. Owned by a root,
+                            * borrowed from the root by a subgroup */
+    char **lines;          /* [size] rendezvous lines (root only) */
+    char **desc;           /* [size] "rank r (host:port)" (root owns; subgroup borrows) */
+    char **host_ids;       /* [size] host identities (root owns; subgroup borrows) */
     ddp_group group;       /* worker-thread state for the algorithms */
 
+    struct ddp_comm *root; /* self for a root; the parent's root for a subgroup */
+    int *members;          /* subgroup: [size] root rank of each group rank; NULL for a root */
+    atomic_int refs;
+    int destroyed;         /* set by ddp_comm_destroy (under root->mu) */
+
+    /* Engine: used on the root only. */
     pthread_t worker;
     int has_worker;
-    pthread_mutex_t mu;    /* guards the queue, stopping and broken */
+    pthread_mutex_t mu;    /* guards the queue, stopping, broken, destroyed, links' lifetime */
     pthread_cond_t cv;
     struct ddp_work *head, *tail;
     int stopping;
@@ -29,6 +46,14 @@ struct ddp_comm {
     char broken_msg[1400];
     atomic_int abort_flag; /* set when broken: every wait returns ABORTED */
 };
+
+/* Rendezvous and connect (ddp_comm_boot.c): fills rank, size, links, lines,
+ * desc and host_ids of a freshly allocated root c. On failure the caller
+ * frees c. */
+ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store);
+
+/* FNV-1a hash of a string (group tags). */
+uint64_t ddp_comm_hash(const char *s);
 
 /* Replace TCP links to same-host peers by faster transports where one is
  * available and not disabled (PYDDP_SHM_DISABLE=1). Collective over the

@@ -2,7 +2,9 @@
  * store server, N threads as ranks running the rendezvous over real loopback
  * TCP, collectives queued through ddp_comm_submit (async, in order), the
  * version check, a rank that leaves making the others fail fast, abort, and
- * validation errors that leave the communicator usable. */
+ * validation errors that leave the communicator usable, subgroups over the
+ * parent's links (interleaved with the parent's work, nested, outliving a
+ * destroyed parent by reference). */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -23,7 +25,7 @@ typedef struct rank_ctx {
     ddp_comm *comm;
 } rank_ctx;
 
-enum { SC_SUM, SC_VERSION, SC_LEAVE, SC_ABORT, SC_INVALID };
+enum { SC_SUM, SC_VERSION, SC_LEAVE, SC_ABORT, SC_INVALID, SC_SUB };
 
 static ddp_status make_comm(rank_ctx *c, ddp_store **store) {
     T_OK(ddp_store_connect("127.0.0.1", c->port, ddp_wait_for(5000, NULL), store));
@@ -88,6 +90,60 @@ static void *rank_main(void *p) {
                 T_ASSERT(bufs[k][i] == want);
             }
         }
+    } else if (c->scenario == SC_SUB) {
+        /* Even and odd ranks form two subgroups; a nested one of {1, 3}'s
+         * first member only would be size 1. Work on them interleaves with
+         * the world's in one queue. */
+        int evens[MAXR], odds[MAXR], ne = 0, no = 0;
+        for (int r = 0; r < c->size; r++) {
+            if (r % 2) odds[no++] = r; else evens[ne++] = r;
+        }
+        int mine = c->rank % 2;
+        ddp_comm *sub = NULL;
+        T_OK(ddp_comm_subgroup(comm, mine ? no : ne, mine ? odds : evens, 100 + mine, &sub));
+        T_ASSERT(ddp_comm_rank(sub) == c->rank / 2);
+        T_ASSERT(ddp_comm_world_rank(sub, ddp_comm_rank(sub)) == c->rank);
+        ddp_comm *bad = NULL;
+        T_STATUS(ddp_comm_subgroup(comm, mine ? ne : no, mine ? evens : odds, 7, &bad),
+                 DDP_ERR_INVALID);   /* not a member */
+        for (int k = 0; k < 3; k++) {
+            double v[300], wv[300];
+            for (int i = 0; i < 300; i++) v[i] = wv[i] = c->rank * 1000.0 + i + k;
+            ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT64, .op = DDP_SUM,
+                               .count = 300, .buf = v};
+            ddp_coll_args b = a;
+            b.buf = wv;
+            ddp_work *w1, *w2;
+            T_OK(ddp_comm_submit(sub, &a, -1, &w1));
+            T_OK(ddp_comm_submit(comm, &b, -1, &w2));
+            T_OK(ddp_work_wait(w1, ddp_wait_for(-1, NULL)));
+            T_OK(ddp_work_wait(w2, ddp_wait_for(-1, NULL)));
+            ddp_work_release(w1);
+            ddp_work_release(w2);
+            for (int i = 0; i < 300; i++) {
+                double ws = 0, ss = 0;
+                for (int r = 0; r < c->size; r++) {
+                    ws += r * 1000.0 + i + k;
+                    if (r % 2 == mine) ss += r * 1000.0 + i + k;
+                }
+                T_ASSERT(v[i] == ss && wv[i] == ws);
+            }
+        }
+        /* broadcast from group rank 0 of the subgroup (world rank 0 or 1) */
+        int32_t y[5] = {c->rank, c->rank, c->rank, c->rank, c->rank};
+        ddp_coll_args bc = {.kind = DDP_COLL_BROADCAST, .dtype = DDP_INT32, .root = 0,
+                            .count = 5, .buf = y};
+        T_OK(run_one(sub, &bc, -1));
+        T_ASSERT(y[4] == mine);
+        /* the subgroup outlives the destroyed parent: its calls fail, no crash */
+        ddp_comm_retain(comm);
+        ddp_comm_destroy(comm);
+        c->comm = NULL;
+        ddp_work *w = NULL;
+        T_ASSERT(ddp_comm_submit(sub, &bc, -1, &w) != DDP_OK);
+        ddp_comm_abort(sub, "after destroy");   /* harmless */
+        ddp_comm_destroy(sub);
+        ddp_comm_release(comm);
     } else if (c->scenario == SC_LEAVE) {
         ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
                            .count = 1000, .buf = x};
@@ -153,6 +209,13 @@ int main(void) {
         for (int r = 0; r < n; r++) T_OK(ctx[r].create_status);
     }
     printf("comm: sums at world sizes 1-%d ok\n", MAXR);
+
+    for (int n = 2; n <= MAXR; n++) {
+        snprintf(prefix, sizeof prefix, "/test/%d", gen++);
+        run_world(n, SC_SUB, port, prefix, ctx);
+        for (int r = 0; r < n; r++) T_OK(ctx[r].create_status);
+    }
+    printf("comm: subgroups over the parent's links at world sizes 2-%d ok\n", MAXR);
 
     snprintf(prefix, sizeof prefix, "/test/%d", gen++);
     run_world(3, SC_VERSION, port, prefix, ctx);
