@@ -22,6 +22,12 @@
  *   SCATTER         sendbuf: size*count at root (else unused); recvbuf: count
  *   SEND / RECV     buf: count, to / from root (the peer rank)
  *   BARRIER         no data
+ *   ALLTOALL        sendbuf: block q (scounts[q] elements at sdispls[q]) goes
+ *                   to rank q; recvbuf: rank p's block lands at rdispls[p]
+ *                   (rcounts[p] elements); the four arrays have size entries;
+ *                   sendbuf and recvbuf must not overlap (no in-place form)
+ *   P2P_BATCH       ops[0..nops): sends and receives with any peers, all
+ *                   concurrent; each op has its own dtype, count and buf
  * sendbuf may equal the matching slice of recvbuf (in-place variants).
  * float16/bfloat16 reductions accumulate in float32. AVG divides once at the
  * end (sum, then divide by size), as torch does.
@@ -39,8 +45,20 @@
 typedef enum ddp_coll_kind {
     DDP_COLL_ALLREDUCE = 1, DDP_COLL_BROADCAST, DDP_COLL_REDUCE,
     DDP_COLL_ALLGATHER, DDP_COLL_REDUCE_SCATTER, DDP_COLL_GATHER,
-    DDP_COLL_SCATTER, DDP_COLL_SEND, DDP_COLL_RECV, DDP_COLL_BARRIER
+    DDP_COLL_SCATTER, DDP_COLL_SEND, DDP_COLL_RECV, DDP_COLL_BARRIER,
+    DDP_COLL_ALLTOALL, DDP_COLL_P2P_BATCH
 } ddp_coll_kind;
+
+/* One send or receive of a P2P_BATCH (torch's P2POp). A rank's k-th send to
+ * q pairs with q's k-th receive from this rank (same dtype and count); the
+ * order of sends relative to receives does not matter. */
+typedef struct ddp_p2p_op {
+    int peer;           /* the other rank (never this one) */
+    int is_send;        /* 1: send buf to peer; 0: receive from peer into buf */
+    ddp_dtype dtype;
+    size_t count;       /* elements of dtype */
+    void *buf;          /* read for sends, written for receives */
+} ddp_p2p_op;
 
 typedef struct ddp_coll_args {
     ddp_coll_kind kind;
@@ -51,6 +69,12 @@ typedef struct ddp_coll_args {
     void *buf;          /* in-place ops: ALLREDUCE, BROADCAST, REDUCE, SEND, RECV */
     const void *sendbuf;
     void *recvbuf;
+    /* ALLTOALL: arrays of group size, in elements of dtype (count unused).
+     * All arrays and buffers are borrowed until the work is done. */
+    const size_t *scounts, *sdispls, *rcounts, *rdispls;
+    /* P2P_BATCH: the ops (dtype, count and buffers above unused). */
+    int nops;
+    const ddp_p2p_op *ops;
 } ddp_coll_args;
 
 typedef struct ddp_group {
