@@ -353,3 +353,45 @@ def test_concurrent_clients_pyddp_and_torch():
         assert int(master.get("shared")) == 100 * len(makers)
         master.close()
     bounded(scenario)
+
+
+def test_close_from_another_thread_wakes_a_waiting_get():
+    """close() on one thread while another is blocked in get(): the get fails at once
+    with an error saying the store was closed (no crash, no wait for the timeout), and
+    the server keeps serving other clients."""
+    def scenario():
+        master = TCPStore("127.0.0.1", 0, is_master=True, timeout=T)
+        client = TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=60))
+        try:
+            box = {}
+
+            def getter():
+                t0 = time.monotonic()
+                try:
+                    client.get("never")
+                except BaseException as e:  # noqa: BLE001 - checked below
+                    box["error"] = e
+                box["seconds"] = time.monotonic() - t0
+
+            th = threading.Thread(target=getter)
+            th.start()
+            time.sleep(0.3)
+            assert th.is_alive(), "get returned before the key existed"
+            t0 = time.monotonic()
+            client.close()
+            th.join(10)
+            assert not th.is_alive()
+            assert time.monotonic() - t0 < 2
+            err = box["error"]
+            assert isinstance(err, _C.DistError), repr(err)
+            assert not isinstance(err, TimeoutError), repr(err)
+            assert "was closed" in str(err) and f"127.0.0.1:{master.port}" in str(err)
+            with pytest.raises(_C.DistError, match="not connected"):
+                client.get("never")
+            client.close()                      # idempotent
+            master.set("still", "serving")
+            assert master.get("still") == b"serving"
+        finally:
+            client.close()
+            master.close()
+    bounded(scenario)

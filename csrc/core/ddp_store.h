@@ -6,10 +6,13 @@
  * "/pyddp/<run id>/<restart>/...". Values are arbitrary bytes.
  *
  * Client: one TCP connection, one request in flight. A ddp_store is safe to
- * share between threads (an internal mutex serialises requests). Timeouts are
- * enforced by the client: an expired WAIT sends CANCEL_WAIT and drains the
- * reply, so the connection stays usable afterwards. Returned buffers are
- * malloc'd and owned by the caller (free()).
+ * share between threads (an internal mutex serialises requests) and is
+ * reference-counted: a thread that uses a client it did not create (the
+ * rendezvous on a helper thread) holds its own reference, so a close() on
+ * another thread cannot free it mid-request. Timeouts are enforced by the
+ * client: an expired WAIT sends CANCEL_WAIT and drains the reply, so the
+ * connection stays usable afterwards. Returned buffers are malloc'd and
+ * owned by the caller (free()).
  *
  * Server: a background thread that serves any number of connections with
  * poll(). A malformed, truncated or unknown request drops only that
@@ -34,11 +37,22 @@ enum ddp_store_query {
 
 typedef struct ddp_store ddp_store;
 
-/* Connect (retrying until w's deadline), send VALIDATE and PING.
- * timeout_ms is the default for later calls that get a deadline of their
- * own from the caller. */
+/* Connect (retrying until w's deadline), send VALIDATE and PING. On success
+ * *out holds one reference (give it back with ddp_store_close or
+ * ddp_store_release); on failure *out is NULL and nothing is left open. */
 ddp_status ddp_store_connect(const char *host, int port, ddp_wait w,
                              ddp_store **out);
+/* Take one more reference (thread-safe; s must be alive, i.e. the caller
+ * holds a reference or knows a holder keeps it alive meanwhile). */
+void ddp_store_retain(ddp_store *s);
+/* Drop one reference; the last one closes the socket and frees s. NULL is a
+ * no-op. Never blocks. */
+void ddp_store_release(ddp_store *s);
+/* Shut the connection down, then drop the caller's reference. Requests in
+ * flight on other threads wake at once (shutdown(2) on the socket) and,
+ * like every later request through other references, fail with a message
+ * saying the store was closed; the memory goes with the last reference.
+ * Never blocks (it does not wait for the request mutex). NULL is a no-op. */
 void ddp_store_close(ddp_store *s);
 /* "host:port" of the server, for messages. */
 const char *ddp_store_peer(const ddp_store *s);

@@ -1,5 +1,7 @@
 /* ddp_store_client.c - the TCPStore client: one connection, one request in
- * flight, shared safely between threads by a mutex (see ddp_store.h).
+ * flight, shared safely between threads by a mutex, reference-counted so a
+ * close on one thread cannot free it under a request on another (see
+ * ddp_store.h).
  *
  * Every request is bounded by the caller's ddp_wait. If a request fails in
  * the middle (timeout waiting for a reply, peer reset, malformed reply) the
@@ -8,6 +10,12 @@
  * WAIT: its timeout is part of the protocol (CANCEL_WAIT, then drain the
  * reply, which may be a STOP_WAITING that raced the cancel), so an expired
  * wait leaves the connection usable.
+ *
+ * Closing does not take the request mutex (the request holding it may be a
+ * WAIT with no deadline): it sets `closed` and shutdown()s the socket, which
+ * makes the request's poll()/recv() return at once; the descriptor itself is
+ * closed only with the last reference, so it can never be reused under a
+ * thread still polling it.
  */
 #include "ddp_store.h"
 
@@ -15,6 +23,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -27,9 +36,11 @@
 #define DDP_STORE_PROBE_KEYS 64
 
 struct ddp_store {
-    pthread_mutex_t mu;
-    int fd;
-    int broken;
+    atomic_int refs;
+    atomic_int closed;      /* ddp_store_close was called: every request fails */
+    pthread_mutex_t mu;     /* held for a whole request (one in flight) */
+    int fd;                 /* valid until the last reference goes */
+    int broken;             /* the byte stream is out of sync (under mu) */
     char broken_msg[1024];
     char peer[DDP_ADDR_MAX + 16];
     ddp_wbuf req;
@@ -37,10 +48,17 @@ struct ddp_store {
 
 const char *ddp_store_peer(const ddp_store *s) { return s->peer; }
 
+/* The error of a request on a closed client. */
+static ddp_status closed_error(ddp_store *s) {
+    return ddp_error(DDP_ERR_CLOSED, "the store client for %s was closed (close() was "
+                     "called on it, from another thread or a signal handler)", s->peer);
+}
+
 /* Take the mutex within w, in slices, so a thread stuck behind another
- * thread's long WAIT still honours its own deadline and abort flag. */
+ * thread's long WAIT still honours its own deadline, abort flag and a close. */
 static ddp_status lock(ddp_store *s, ddp_wait w) {
     for (;;) {
+        if (atomic_load(&s->closed)) return closed_error(s);
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_nsec += (long)ddp_wait_slice(w) * 1000000L;
@@ -64,10 +82,17 @@ static ddp_status io_fail(ddp_store *s, ddp_status st) {
     return st;
 }
 
-/* Unlock and return st, prefixing a failure with the operation and server. */
+/* Unlock and return st, prefixing a failure with the operation and server.
+ * A failure while the client was being closed is reported as the close (the
+ * socket error it caused says only "closed by the peer"). */
 static ddp_status done(ddp_store *s, ddp_status st, const char *op) {
     pthread_mutex_unlock(&s->mu);
     if (st == DDP_OK) return st;
+    if (atomic_load(&s->closed)) {
+        st = ddp_error(DDP_ERR_CLOSED, "the store client was closed while this request "
+                       "was in flight (close() was called on it, from another thread or "
+                       "a signal handler)");
+    }
     return ddp_error_prefix(st, "store %s on %s: ", op, s->peer);
 }
 
@@ -75,6 +100,10 @@ static ddp_status done(ddp_store *s, ddp_status st, const char *op) {
 static ddp_status begin(ddp_store *s, ddp_wait w, uint8_t q) {
     ddp_status st = lock(s, w);
     if (st != DDP_OK) return st;
+    if (atomic_load(&s->closed)) {
+        pthread_mutex_unlock(&s->mu);
+        return closed_error(s);
+    }
     if (s->broken) {
         pthread_mutex_unlock(&s->mu);
         return ddp_error(DDP_ERR_CLOSED, "store connection to %s is unusable after an "
@@ -135,6 +164,8 @@ ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store *
     if (s == NULL) return ddp_error(DDP_ERR_NOMEM, "store connect: out of memory");
     ddp_sock_format_hostport(host, port, s->peer, sizeof s->peer);
     ddp_wbuf_init(&s->req);
+    atomic_init(&s->refs, 1);
+    atomic_init(&s->closed, 0);
     pthread_mutex_init(&s->mu, NULL);
     DDP_CHECK(ddp_sock_connect(host, port, w, &s->fd), fail_noconn);
     uint32_t nonce = (uint32_t)ddp_now_us() ^ (uint32_t)getpid(), echo = 0;
@@ -163,12 +194,26 @@ fail_noconn:
     return st;
 }
 
-void ddp_store_close(ddp_store *s) {
+void ddp_store_retain(ddp_store *s) {
+    atomic_fetch_add_explicit(&s->refs, 1, memory_order_relaxed);
+}
+
+void ddp_store_release(ddp_store *s) {
     if (s == NULL) return;
+    /* acq_rel: the freeing thread must see every other holder's writes. */
+    if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1) return;
     close(s->fd);
     pthread_mutex_destroy(&s->mu);
     ddp_wbuf_free(&s->req);
     free(s);
+}
+
+void ddp_store_close(ddp_store *s) {
+    if (s == NULL) return;
+    /* Only the first close shuts down; SHUT_RDWR wakes a poll() on fd in any
+     * thread with POLLHUP, so a blocked recv/send returns within its slice. */
+    if (atomic_exchange(&s->closed, 1) == 0) shutdown(s->fd, SHUT_RDWR);
+    ddp_store_release(s);
 }
 
 /* SET and APPEND: key, value, no reply. */

@@ -30,9 +30,16 @@ int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort);
 struct ddp_comm;
 struct ddp_comm *ddp_py_pg_comm(PyObject *pg);
 
-/* The C client behind a pyddp._C.StoreClient (borrowed; valid while the object
- * lives and is not closed), or NULL with TypeError (or DistNetworkError if not
- * connected) set. */
+/* The C client behind a pyddp._C.StoreClient with a reference of the caller's
+ * own (give it back with ddp_store_release, with or without the GIL), or NULL
+ * with TypeError (or an error saying it is not connected) set. The reference
+ * keeps the memory valid without the GIL even if the StoreClient is closed or
+ * freed meanwhile; after a close, requests on it fail promptly with "closed". */
+struct ddp_store *ddp_py_store_client_ref(PyObject *obj);
+
+/* Deprecated, for the transition to ddp_py_store_client_ref: the same client,
+ * borrowed (no reference), so a close() while it is used without the GIL
+ * frees it under the user. */
 struct ddp_store *ddp_py_store_client_ptr(PyObject *obj);
 
 /* Module exec hooks (return 0 on success, -1 with an exception set). */

@@ -6,8 +6,11 @@
  * Every network call runs without the GIL. Calls that may block for long
  * (connect, wait, get) run through ddp_py_run_abortable so Ctrl-C still
  * interrupts them; the others are bounded by the client's timeout and just
- * release the GIL. A close() while another thread is inside a call is
- * deferred until that call returns, so the C client is never freed under it.
+ * release the GIL. Each call holds its own reference to the C client, and
+ * so does a process group's rendezvous (ddp_py_store_client_ref); close()
+ * (from another thread, or a signal handler running while this thread
+ * waits) shuts the connection down at once, so those calls fail promptly
+ * with "closed", and the memory goes with the last reference.
  */
 #include "py_common.h"
 
@@ -17,10 +20,8 @@
 
 typedef struct {
     PyObject_HEAD
-    ddp_store *s;
+    ddp_store *s;        /* this object's reference; NULL once closed */
     int64_t timeout_ms;  /* default deadline of each call */
-    int users;           /* calls in flight (changed only with the GIL held) */
-    int closing;         /* close() requested while users > 0 */
 } ClientObject;
 
 typedef struct {
@@ -99,16 +100,19 @@ static void call_release(call *c) {
     free(c->out);
 }
 
-/* Run c on self's connection. Returns 0, or -1 with an exception set (and
- * c's buffers released). Long operations go through the abortable runner. */
+/* Run c on self's connection, holding a reference of its own for the call
+ * (self->s may be closed meanwhile). Returns 0, or -1 with an exception set
+ * (and c's buffers released). Long operations go through the abortable
+ * runner. */
 static int call_do(ClientObject *self, call *c) {
-    if (self->s == NULL || self->closing) {
+    if (self->s == NULL) {
         call_release(c);
-        ddp_py_raise(DDP_ERR_CLOSED, "StoreClient is not connected");
+        ddp_py_raise(DDP_ERR_CLOSED, "StoreClient is not connected (never connected, "
+                     "or closed)");
         return -1;
     }
     c->s = self->s;
-    self->users++;
+    ddp_store_retain(c->s);
     int rc = 0;
     if (c->op == OP_WAIT || c->op == OP_GET) {
         rc = ddp_py_run_abortable(call_run, c, &c->abort);
@@ -117,10 +121,8 @@ static int call_do(ClientObject *self, call *c) {
         call_run(c);
         Py_END_ALLOW_THREADS
     }
-    if (--self->users == 0 && self->closing) {
-        ddp_store_close(self->s);
-        self->s = NULL;
-    }
+    ddp_store_release(c->s);
+    c->s = NULL;
     if (rc == 0 && c->st != DDP_OK) {
         ddp_py_raise(c->st, c->msg);
         rc = -1;
@@ -279,13 +281,12 @@ static PyObject *cl_num_keys(ClientObject *self, PyObject *noargs) {
     return PyLong_FromLongLong(c.num);
 }
 
+/* Shut down and drop this object's reference; never blocks (calls in flight
+ * on other threads wake and fail, then drop theirs). */
 static PyObject *cl_close(ClientObject *self, PyObject *noargs) {
-    if (self->users > 0) {
-        self->closing = 1;   /* the last call in flight closes it */
-    } else if (self->s != NULL) {
-        ddp_store_close(self->s);
-        self->s = NULL;
-    }
+    ddp_store *s = self->s;
+    self->s = NULL;
+    ddp_store_close(s);
     Py_RETURN_NONE;
 }
 
@@ -350,19 +351,31 @@ static PyType_Slot client_slots[] = {
 static PyType_Spec client_spec = {"pyddp._C.StoreClient", sizeof(ClientObject), 0,
                                   Py_TPFLAGS_DEFAULT, client_slots};
 
-ddp_store *ddp_py_store_client_ptr(PyObject *obj) {
+/* The connected client behind obj (borrowed), or NULL with an exception. */
+static ddp_store *client_of(PyObject *obj) {
     if (ClientType == NULL || !PyObject_TypeCheck(obj, ClientType)) {
         PyErr_Format(PyExc_TypeError, "expected a pyddp._C.StoreClient, not %.80s",
                      Py_TYPE(obj)->tp_name);
         return NULL;
     }
     ClientObject *c = (ClientObject *)obj;
-    if (c->s == NULL || c->closing) {
-        ddp_py_raise(DDP_ERR_CLOSED, "the store client is not connected");
+    if (c->s == NULL) {
+        ddp_py_raise(DDP_ERR_CLOSED, "the store client is not connected (never "
+                     "connected, or closed)");
         return NULL;
     }
     return c->s;
 }
+
+ddp_store *ddp_py_store_client_ref(PyObject *obj) {
+    ddp_store *s = client_of(obj);
+    if (s != NULL) ddp_store_retain(s);
+    return s;
+}
+
+/* Transition only: borrowed, so a close() during the caller's GIL-free use
+ * frees it. Callers move to ddp_py_store_client_ref. */
+ddp_store *ddp_py_store_client_ptr(PyObject *obj) { return client_of(obj); }
 
 /* ---- StoreServer ------------------------------------------------------ */
 

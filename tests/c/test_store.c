@@ -3,7 +3,8 @@
  * CANCEL_WAIT race, played by a scripted fake server), concurrent clients,
  * requests arriving in pieces, and raw connections that send garbage,
  * unknown queries, absurd lengths or vanish mid-request, none of which may
- * disturb the server for other clients. */
+ * disturb the server for other clients; closing a client while other
+ * threads, holding their own references, are blocked in requests on it. */
 #include <pthread.h>
 #include <string.h>
 #include <unistd.h>
@@ -377,6 +378,63 @@ static void test_client_cancel_race(void) {
     close(lfd);
 }
 
+typedef struct {
+    ddp_store *s;       /* this thread's own reference, released at the end */
+    ddp_status st;
+    int64_t ms;
+    char msg[1024];
+} blocked_arg;
+
+/* WAIT with no deadline for a key nobody sets: only a close can end it. */
+static void *blocked_waiter(void *p) {
+    blocked_arg *a = p;
+    const char *k = "/never-set";
+    size_t kl = strlen(k);
+    int64_t t0 = ddp_now_ms();
+    a->st = ddp_store_wait(a->s, &k, &kl, 1, W(-1));
+    a->ms = ddp_now_ms() - t0;
+    ddp_copy_error(a->msg, sizeof a->msg);
+    ddp_store_release(a->s);   /* possibly the last reference: frees here */
+    return NULL;
+}
+
+static void test_close_wakes_blocked_requests(void) {
+    enum { NT = 2 };   /* one inside the WAIT, one queued behind it for the mutex */
+    ddp_store *s = client();
+    blocked_arg a[NT];
+    pthread_t th[NT];
+    for (int i = 0; i < NT; i++) {
+        memset(&a[i], 0, sizeof a[i]);
+        ddp_store_retain(s);
+        a[i].s = s;
+        T_ASSERT(pthread_create(&th[i], NULL, blocked_waiter, &a[i]) == 0);
+    }
+    usleep(300000);   /* both are blocked by now */
+    int64_t t0 = ddp_now_ms();
+    ddp_store_close(s);   /* drops only main's reference */
+    for (int i = 0; i < NT; i++) pthread_join(th[i], NULL);
+    T_ASSERT(ddp_now_ms() - t0 < 1000);   /* woken, not left to a deadline */
+    for (int i = 0; i < NT; i++) {
+        T_STATUS(a[i].st, DDP_ERR_CLOSED);
+        T_ASSERT(a[i].ms >= 250);
+        T_ASSERT(strstr(a[i].msg, "was closed") != NULL);
+        T_ASSERT(strstr(a[i].msg, "127.0.0.1:") != NULL);
+    }
+    /* The reverse order: close first, then a holder's request fails at once
+     * and its release frees the client. */
+    s = client();
+    ddp_store_retain(s);
+    ddp_store_close(s);
+    int64_t n;
+    T_STATUS(ddp_store_num_keys(s, &n, W(5000)), DDP_ERR_CLOSED);
+    T_ASSERT(strstr(ddp_last_error(), "was closed") != NULL);
+    ddp_store_release(s);
+    /* The server never noticed anything wrong. */
+    s = client();
+    T_OK(ddp_store_num_keys(s, &n, W(5000)));
+    ddp_store_close(s);
+}
+
 static void test_connect_failures(void) {
     int lfd, port;
     T_OK(ddp_sock_listen("127.0.0.1", 0, 0, 0, &lfd, &port));
@@ -399,6 +457,7 @@ int main(void) {
     test_server_survives_bad_clients();
     test_raw_protocol();
     test_client_cancel_race();
+    test_close_wakes_blocked_requests();
     test_connect_failures();
     /* Stopping with a client still connected: the client then sees a
      * closed connection, not a hang. */
