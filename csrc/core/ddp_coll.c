@@ -108,9 +108,11 @@ ddp_status ddp_coll_validate(const ddp_group *g, const ddp_coll_args *a) {
             return ddp_error(DDP_ERR_INVALID, "rank %d cannot %s itself", g->rank,
                              a->kind == DDP_COLL_SEND ? "send to" : "receive from");
     }
-    /* Largest scratch need is size * count elements widened to float32 (the
-     * half-precision staging), with headroom for headers and alignment. */
+    /* Largest scratch need is size * count elements widened to their
+     * accumulator type (float32 for half types, up to 16 bytes for integer
+     * AVG), with headroom for headers and alignment. */
     size_t es = ddp_dtype_size(a->dtype), wide = es < 4 ? 4 : es;
+    if (ddp_acc_size(a->dtype, a->op) > wide) wide = ddp_acc_size(a->dtype, a->op);
     if (a->count > (SIZE_MAX / 4) / (size_t)n / wide)
         return ddp_error(DDP_ERR_INVALID, "count %zu of %s is too large: its size in bytes "
                          "overflows", a->count, ddp_dtype_name(a->dtype));

@@ -30,7 +30,9 @@
  *                   concurrent; each op has its own dtype, count and buf
  * sendbuf may equal the matching slice of recvbuf (in-place variants).
  * float16/bfloat16 reductions accumulate in float32. AVG divides once at the
- * end (sum, then divide by size), as torch does.
+ * end (sum, then divide by size), as torch does; for integers the sum is
+ * exact (int64 or 128-bit accumulators) and the division floors, so integer
+ * AVG is the exact mean rounded toward minus infinity (see ddp_acc_size).
  */
 #ifndef DDP_COLL_H
 #define DDP_COLL_H

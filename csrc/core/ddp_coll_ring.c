@@ -8,8 +8,13 @@
  * g->chunk_bytes: each chunk is received into scratch and reduced into place
  * while the kernel keeps buffering the next one. Each block's final value is
  * computed by exactly one rank and then copied to all, so every rank ends
- * with identical bytes. float16/bfloat16 reduce in float32 (one conversion
- * in, one rounding out, float32 on the wire during the reduce-scatter).
+ * with identical bytes. Where the accumulator type (ddp_acc_size) is wider
+ * than the element type, the input is staged in it and the partial sums
+ * travel in it during the reduce-scatter: float32 for float16/bfloat16 (one
+ * conversion in, one rounding out), and for integer AVG int64 (int8, uint8,
+ * int32) or 128-bit (int64) sums, so that no partial sum wraps and the
+ * final floor division gives the exact mean. The all-gather then moves the
+ * finished elements in their own type.
  */
 #include "ddp_coll_internal.h"
 
@@ -17,14 +22,16 @@
 
 static int ring_mod(int x, int n) { return ((x % n) + n) % n; }
 
-/* One ring reduce-scatter over `count` elements of t split into size
- * blocks; afterwards this rank holds the reduction of block `rank`.
- * Block b's input is src + off(b). In place (inplace != NULL, equal to src)
- * block b accumulates where it is; otherwise partial sums alternate between
- * alt[0] and alt[1] (each one block long) and the last step writes dst. */
+/* One ring reduce-scatter over `count` accumulator elements (of the
+ * accumulator type of t and op, wes bytes each) split into size blocks;
+ * afterwards this rank holds the reduction of block `rank`. Block b's input
+ * is src + off(b). In place (inplace != NULL, equal to src) block b
+ * accumulates where it is; otherwise partial sums alternate between alt[0]
+ * and alt[1] (each one block long) and the last step writes dst. */
 typedef struct ring_rs {
-    ddp_dtype t;
+    ddp_dtype t;        /* the element type: combining is ddp_acc_combine(t, op) */
     ddp_redop op;
+    size_t wes;         /* bytes per accumulator element */
     size_t count;
     const char *src;
     char *inplace;
@@ -35,7 +42,7 @@ typedef struct ring_rs {
 
 static ddp_status ring_reduce_scatter(ddp_group *g, const ring_rs *p, ddp_wait w) {
     const int n = g->size, me = g->rank;
-    const size_t es = ddp_dtype_size(p->t), ce = ddp_coll_chunk_elems(g, es);
+    const size_t es = p->wes, ce = ddp_coll_chunk_elems(g, es);
     ddp_link *next = g->links[ring_mod(me + 1, n)], *prev = g->links[ring_mod(me - 1, n)];
     const char *sent = NULL; /* the partial sums accumulated in the previous step */
     for (int s = 0; s < n - 1; s++) {
@@ -54,7 +61,7 @@ static ddp_status ring_reduce_scatter(ddp_group *g, const ring_rs *p, ddp_wait w
             ddp_status st = ddp_link_sendrecv(next, sp + c * es, sn * es, prev, p->rtmp,
                                               rn * es, w);
             if (st != DDP_OK) return st;
-            ddp_reduce3(p->t, p->op, acc + c * es, own + c * es, p->rtmp, rn);
+            ddp_acc_combine(p->t, p->op, acc + c * es, own + c * es, p->rtmp, rn);
         }
         sent = acc;
     }
@@ -80,25 +87,23 @@ static ddp_status ring_all_gather(ddp_group *g, char *data, size_t count, size_t
 }
 
 ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    const int n = g->size, me = g->rank, half = ddp_coll_is_half(a->dtype);
-    const ddp_dtype wt = half ? DDP_FLOAT32 : a->dtype; /* type of the partial sums */
-    const size_t es = ddp_dtype_size(a->dtype), wes = ddp_dtype_size(wt);
-    const size_t stage = half ? ddp_coll_align(a->count * wes) : 0;
+    const int n = g->size, me = g->rank, wide = !ddp_acc_is_native(a->dtype, a->op);
+    const size_t es = ddp_dtype_size(a->dtype), wes = ddp_acc_size(a->dtype, a->op);
+    const size_t stage = wide ? ddp_coll_align(a->count * wes) : 0;
     const size_t chunk = ddp_coll_chunk_elems(g, wes) * wes;
     if (n == 1) return DDP_OK; /* AVG over one rank is the identity */
     void *mem;
     ddp_status st = ddp_coll_scratch(g, stage + chunk, &mem);
     if (st != DDP_OK) return st;
-    char *data = half ? mem : a->buf;
-    if (half) ddp_convert_to_f32(a->dtype, (float *)data, a->buf, a->count);
-    ring_rs p = {.t = wt, .op = a->op, .count = a->count, .src = data, .inplace = data,
-                 .rtmp = (char *)mem + stage};
+    char *data = wide ? mem : a->buf;
+    if (wide) ddp_acc_load(a->dtype, a->op, data, a->buf, a->count);
+    ring_rs p = {.t = a->dtype, .op = a->op, .wes = wes, .count = a->count, .src = data,
+                 .inplace = data, .rtmp = (char *)mem + stage};
     if ((st = ring_reduce_scatter(g, &p, w)) != DDP_OK) return st;
     size_t off, len;
     ddp_coll_block(a->count, n, me, &off, &len);
-    ddp_reduce_finish(wt, a->op, data + off * wes, len, n);
-    if (half)
-        ddp_convert_from_f32(a->dtype, (char *)a->buf + off * es, (float *)(data + off * wes), len);
+    /* native: finish in place; wide: round/divide into this rank's block */
+    ddp_acc_store(a->dtype, a->op, (char *)a->buf + off * es, data + off * wes, len, n);
     return ring_all_gather(g, a->buf, a->count, es, w);
 }
 
@@ -110,20 +115,19 @@ ddp_status ddp_coll_ring_allgather(ddp_group *g, const ddp_coll_args *a, ddp_wai
 }
 
 ddp_status ddp_coll_ring_reduce_scatter(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    const int n = g->size, me = g->rank, half = ddp_coll_is_half(a->dtype);
-    const ddp_dtype wt = half ? DDP_FLOAT32 : a->dtype;
-    const size_t wes = ddp_dtype_size(wt), total = a->count * (size_t)n;
+    const int n = g->size, me = g->rank, wide = !ddp_acc_is_native(a->dtype, a->op);
+    const size_t wes = ddp_acc_size(a->dtype, a->op), total = a->count * (size_t)n;
     const size_t chunk = ddp_coll_chunk_elems(g, wes) * wes;
-    /* Half types: the whole input widened to float32, reduced in place.
-     * Others: two block-sized areas for partial sums (sendbuf is const). */
-    const size_t work = half ? ddp_coll_align(total * wes) : 2 * ddp_coll_align(a->count * wes);
+    /* Wide accumulators: the whole input widened, reduced in place. Native:
+     * two block-sized areas for partial sums (sendbuf is const). */
+    const size_t work = wide ? ddp_coll_align(total * wes) : 2 * ddp_coll_align(a->count * wes);
     void *mem;
     ddp_status st = ddp_coll_scratch(g, work + chunk, &mem);
     if (st != DDP_OK) return st;
     char *base = mem;
-    ring_rs p = {.t = wt, .op = a->op, .count = total, .rtmp = base + work};
-    if (half) {
-        ddp_convert_to_f32(a->dtype, (float *)base, a->sendbuf, total);
+    ring_rs p = {.t = a->dtype, .op = a->op, .wes = wes, .count = total, .rtmp = base + work};
+    if (wide) {
+        ddp_acc_load(a->dtype, a->op, base, a->sendbuf, total);
         p.src = p.inplace = base;
     } else {
         p.src = a->sendbuf;
@@ -132,16 +136,11 @@ ddp_status ddp_coll_ring_reduce_scatter(ddp_group *g, const ddp_coll_args *a, dd
         p.dst = a->recvbuf;
     }
     if (n == 1) {
-        if (!half && a->recvbuf != a->sendbuf) memcpy(a->recvbuf, a->sendbuf, a->count * wes);
+        if (!wide && a->recvbuf != a->sendbuf) memcpy(a->recvbuf, a->sendbuf, a->count * wes);
     } else if ((st = ring_reduce_scatter(g, &p, w)) != DDP_OK) {
         return st;
     }
-    if (half) {
-        float *mine = (float *)(base + (size_t)me * a->count * wes);
-        ddp_reduce_finish(DDP_FLOAT32, a->op, mine, a->count, n);
-        ddp_convert_from_f32(a->dtype, a->recvbuf, mine, a->count);
-    } else {
-        ddp_reduce_finish(a->dtype, a->op, a->recvbuf, a->count, n);
-    }
+    void *mine = wide ? base + (size_t)me * a->count * wes : a->recvbuf;
+    ddp_acc_store(a->dtype, a->op, a->recvbuf, mine, a->count, n);
     return DDP_OK;
 }

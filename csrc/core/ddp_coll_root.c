@@ -5,7 +5,9 @@
  * middle rank forwards chunk c-1 while receiving chunk c, so a large message
  * takes about one transfer time however many ranks there are, and no rank
  * holds more than a few chunks of scratch. Reduce sends partial results up
- * the chain (float32 for half types) and leaves non-root buffers untouched.
+ * the chain in the accumulator type (ddp_acc_size: float32 for half types,
+ * int64 or 128-bit sums for integer AVG, so the root's floor division gives
+ * the exact mean) and leaves non-root buffers untouched.
  * Gather and scatter move each block directly between the root and its
  * owner, the root driving all its peers at once. Send/recv move the buffer
  * itself (no staging) after the header exchange.
@@ -44,9 +46,10 @@ static size_t chunk_len(size_t count, size_t ce, size_t c) {
 }
 
 ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    const int n = g->size, pos = (g->rank - a->root + n) % n, half = ddp_coll_is_half(a->dtype);
-    const ddp_dtype t = a->dtype, wt = half ? DDP_FLOAT32 : t; /* wt: partial sums */
-    const size_t es = ddp_dtype_size(t), wes = ddp_dtype_size(wt);
+    const int n = g->size, pos = (g->rank - a->root + n) % n;
+    const ddp_dtype t = a->dtype;
+    const int wide = !ddp_acc_is_native(t, a->op); /* partial sums in a wider type */
+    const size_t es = ddp_dtype_size(t), wes = ddp_acc_size(t, a->op);
     const size_t ce = ddp_coll_chunk_elems(g, wes), nch = (a->count + ce - 1) / ce;
     const size_t cb = ddp_coll_align(ce * wes);
     if (n == 1) return DDP_OK; /* AVG over one rank is the identity */
@@ -58,7 +61,7 @@ ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait 
     char *rtmp = mem, *part[2] = {(char *)mem + cb, (char *)mem + 2 * cb};
     char *buf = a->buf;
     /* The last rank of the chain sends native data straight from buf. */
-    const int send_own = !down && !half;
+    const int send_own = !down && !wide;
 
     for (size_t c = 0; c <= nch; c++) {
         /* pass chunk c-1's partial result up while chunk c arrives from down */
@@ -69,13 +72,10 @@ ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait 
         if (c == nch || send_own) continue;
         const size_t len = chunk_len(a->count, ce, c);
         char *own = buf + c * ce * es, *acc = part[c & 1];
-        if (half) {
-            ddp_convert_to_f32(t, (float *)acc, own, len);
-            if (down) ddp_reduce(wt, a->op, acc, rtmp, len);
-            if (!up) { /* root: finish and round once */
-                ddp_reduce_finish(wt, a->op, acc, len, n);
-                ddp_convert_from_f32(t, own, (const float *)acc, len);
-            }
+        if (wide) {
+            ddp_acc_load(t, a->op, acc, own, len);
+            if (down) ddp_acc_combine(t, a->op, acc, acc, rtmp, len);
+            if (!up) ddp_acc_store(t, a->op, own, acc, len, n); /* root: divide/round once */
         } else if (!up) { /* root: combine into its own buffer */
             ddp_reduce(t, a->op, own, rtmp, len);
             ddp_reduce_finish(t, a->op, own, len, n);

@@ -6,7 +6,8 @@
  * one message each way per peer, no separate header round. Reductions are
  * then computed locally by every rank that needs the result, combining the
  * contributions in rank order 0..size-1, so every rank gets bit-identical
- * results (float16/bfloat16 accumulate in float32 and round once).
+ * results (float16/bfloat16 accumulate in float32 and round once; integer
+ * AVG sums exactly in a wider type, see ddp_acc_size).
  */
 #include "ddp_coll_internal.h"
 
@@ -19,7 +20,7 @@ static ddp_coll_xchg plan(const ddp_group *g, const ddp_coll_args *a) {
     const size_t es = ddp_dtype_size(a->dtype), b = a->count * es;
     /* room for the rank-ordered contribution list and an accumulator */
     const size_t red = ddp_coll_align((size_t)g->size * sizeof(void *)) +
-                       a->count * (ddp_coll_is_half(a->dtype) ? sizeof(float) : es);
+                       a->count * ddp_acc_size(a->dtype, a->op);
     ddp_coll_xchg x = {.peer = -1, .sto = -1, .rfrom = -1};
     switch (a->kind) {
     case DDP_COLL_ALLREDUCE:
@@ -50,23 +51,23 @@ static ddp_coll_xchg plan(const ddp_group *g, const ddp_coll_args *a) {
     case DDP_COLL_SEND: x.peer = root, x.sbase = a->buf, x.sbytes = b; break;
     case DDP_COLL_RECV: x.peer = root, x.rbytes = b, x.rfrom = root; break;
     case DDP_COLL_BARRIER: break;
+    case DDP_COLL_ALLTOALL: case DDP_COLL_P2P_BATCH: break; /* never here: own files */
     }
     return x;
 }
 
 /* dst = c[0] op c[1] op ... op c[n-1], combined in that order (then AVG's
  * division). dst may be one of the contributions; acc is scratch for
- * count elements (float32 for half types). */
+ * count accumulator elements (ddp_acc_size: float32 for half types, int64 or
+ * 128-bit sums for integer AVG, so that the mean is exact). */
 static void reduce_in_order(const ddp_coll_args *a, void *dst, const void **c, int n, void *acc) {
     const ddp_dtype t = a->dtype;
     const size_t count = a->count;
     if (count == 0) return;
-    if (ddp_coll_is_half(t)) {
-        float *f = acc;
-        ddp_convert_to_f32(t, f, c[0], count);
-        for (int r = 1; r < n; r++) ddp_reduce_acc(t, a->op, f, c[r], count);
-        ddp_reduce_finish(DDP_FLOAT32, a->op, f, count, n);
-        ddp_convert_from_f32(t, dst, f, count);
+    if (!ddp_acc_is_native(t, a->op)) {
+        ddp_acc_load(t, a->op, acc, c[0], count);
+        for (int r = 1; r < n; r++) ddp_acc_add(t, a->op, acc, c[r], count);
+        ddp_acc_store(t, a->op, dst, acc, count, n);
         return;
     }
     /* Accumulate straight into dst unless dst is a contribution that is
@@ -129,6 +130,7 @@ ddp_status ddp_coll_small(ddp_group *g, const ddp_coll_args *a, const ddp_coll_h
         break;
     case DDP_COLL_RECV: copy_block(a->buf, ddp_coll_payload(&r, root), b); break;
     case DDP_COLL_SEND: case DDP_COLL_BARRIER: break;
+    case DDP_COLL_ALLTOALL: case DDP_COLL_P2P_BATCH: break;
     }
     return DDP_OK;
 }

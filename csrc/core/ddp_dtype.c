@@ -7,7 +7,9 @@
  * Float MIN/MAX propagate NaN like torch.minimum/maximum. float16 and
  * bfloat16 are widened to float32, combined, and rounded back with
  * round-to-nearest-even; the conversions are branch-free bit manipulations
- * (no lookup tables) so that they vectorise as well.
+ * (no lookup tables) so that they vectorise as well. The accumulators at the
+ * end (ddp_acc_*) are what the collectives combine in: float32 for the half
+ * types, and for integer AVG int64 or 128-bit sums so the mean is exact.
  */
 #include "ddp_dtype.h"
 
@@ -258,14 +260,28 @@ void ddp_reduce_acc(ddp_dtype t, ddp_redop op, float *restrict acc, const void *
 
 /* ---- AVG ---------------------------------------------------------------- */
 
-/* buf[i] = buf[i] / n for a native type T, dividing in type D: floats divide
- * in their own type; integers in int64 (so the divisor never wraps, e.g. 200
- * ranks with int8) and truncate toward zero, as C's division does. */
-#define DIVIDE(T, D, buf, count, n)                                \
-    do {                                                           \
-        T *restrict p_ = (buf);                                    \
-        const D d_ = (D)(n);                                       \
-        for (size_t i_ = 0; i_ < (count); i_++) p_[i_] = (T)((D)p_[i_] / d_); \
+/* floor(s / n) for n >= 1: C's division truncates toward zero, so a negative
+ * quotient with a remainder is one too high. */
+static inline int64_t floor_div64(int64_t s, int64_t n) {
+    int64_t q = s / n;
+    return (s % n != 0 && s < 0) ? q - 1 : q;
+}
+
+/* buf[i] = buf[i] / n for a float type T, in T (one IEEE division, as torch). */
+#define DIVIDE_FLOAT(T, buf, count, n)                                         \
+    do {                                                                       \
+        T *restrict p_ = (buf);                                                \
+        const T d_ = (T)(n);                                                   \
+        for (size_t i_ = 0; i_ < (count); i_++) p_[i_] = p_[i_] / d_;          \
+    } while (0)
+
+/* buf[i] = floor(buf[i] / n) for an integer type T, dividing in int64 (so
+ * the divisor never wraps, e.g. 200 ranks with int8). */
+#define DIVIDE_INT(T, buf, count, n)                                           \
+    do {                                                                       \
+        T *restrict p_ = (buf);                                                \
+        for (size_t i_ = 0; i_ < (count); i_++)                                \
+            p_[i_] = (T)floor_div64((int64_t)p_[i_], (int64_t)(n));            \
     } while (0)
 
 void ddp_reduce_finish(ddp_dtype t, ddp_redop op, void *buf, size_t n, int nranks) {
@@ -279,12 +295,171 @@ void ddp_reduce_finish(ddp_dtype t, ddp_redop op, void *buf, size_t n, int nrank
     case DDP_BFLOAT16:
         for (size_t i = 0; i < n; i++) h[i] = ddp_float_to_bf16(ddp_bf16_to_float(h[i]) / fn);
         break;
-    case DDP_FLOAT32: DIVIDE(float, float, buf, n, nranks); break;
-    case DDP_FLOAT64: DIVIDE(double, double, buf, n, nranks); break;
-    case DDP_INT8: DIVIDE(int8_t, int64_t, buf, n, nranks); break;
-    case DDP_UINT8: DIVIDE(uint8_t, int64_t, buf, n, nranks); break;
-    case DDP_INT32: DIVIDE(int32_t, int64_t, buf, n, nranks); break;
-    case DDP_INT64: DIVIDE(int64_t, int64_t, buf, n, nranks); break;
+    case DDP_FLOAT32: DIVIDE_FLOAT(float, buf, n, nranks); break;
+    case DDP_FLOAT64: DIVIDE_FLOAT(double, buf, n, nranks); break;
+    case DDP_INT8: DIVIDE_INT(int8_t, buf, n, nranks); break;
+    case DDP_UINT8: DIVIDE_INT(uint8_t, buf, n, nranks); break;
+    case DDP_INT32: DIVIDE_INT(int32_t, buf, n, nranks); break;
+    case DDP_INT64: DIVIDE_INT(int64_t, buf, n, nranks); break;
     default: break; /* bool: AVG is rejected by ddp_redop_check */
+    }
+}
+
+/* ---- accumulators ---------------------------------------------------------- */
+
+typedef enum acc_kind { ACC_NATIVE, ACC_F32, ACC_I64, ACC_I128 } acc_kind;
+
+static acc_kind acc_of(ddp_dtype t, ddp_redop op) {
+    if (t == DDP_FLOAT16 || t == DDP_BFLOAT16) return ACC_F32;
+    if (op != DDP_AVG) return ACC_NATIVE;
+    if (t == DDP_INT8 || t == DDP_UINT8 || t == DDP_INT32) return ACC_I64;
+    return t == DDP_INT64 ? ACC_I128 : ACC_NATIVE;
+}
+
+size_t ddp_acc_size(ddp_dtype t, ddp_redop op) {
+    switch (acc_of(t, op)) {
+    case ACC_F32: return sizeof(float);
+    case ACC_I64: return sizeof(int64_t);
+    case ACC_I128: return 2 * sizeof(uint64_t);
+    default: return ddp_dtype_size(t);
+    }
+}
+
+int ddp_acc_is_native(ddp_dtype t, ddp_redop op) { return acc_of(t, op) == ACC_NATIVE; }
+
+/* int64 accumulators of a narrower integer type T: load, add, narrow. The
+ * additions are done in uint64_t (wrap-free by the bound in ddp_dtype.h, and
+ * free of undefined behaviour even if it were exceeded). */
+#define I64_LOAD(T, acc, src, n)                                               \
+    do {                                                                       \
+        int64_t *restrict a_ = (acc);                                          \
+        const T *restrict s_ = (src);                                          \
+        for (size_t i_ = 0; i_ < (n); i_++) a_[i_] = (int64_t)s_[i_];          \
+    } while (0)
+#define I64_ADD(T, acc, src, n)                                                \
+    do {                                                                       \
+        int64_t *restrict a_ = (acc);                                          \
+        const T *restrict s_ = (src);                                          \
+        for (size_t i_ = 0; i_ < (n); i_++)                                    \
+            a_[i_] = (int64_t)((uint64_t)a_[i_] + (uint64_t)(int64_t)s_[i_]);  \
+    } while (0)
+#define I64_STORE(T, dst, acc, n, nranks)                                      \
+    do {                                                                       \
+        T *restrict d_ = (dst);                                                \
+        const int64_t *restrict a_ = (acc);                                    \
+        for (size_t i_ = 0; i_ < (n); i_++)                                    \
+            d_[i_] = (T)floor_div64(a_[i_], (int64_t)(nranks));                \
+    } while (0)
+
+/* 128-bit accumulators: element i is the words a[2i] (low) and a[2i+1]
+ * (high) of a two's-complement integer. */
+static void i128_load(uint64_t *restrict a, const int64_t *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        a[2 * i] = (uint64_t)s[i];
+        a[2 * i + 1] = s[i] < 0 ? UINT64_MAX : 0; /* sign extension */
+    }
+}
+
+static void i128_add(uint64_t *restrict a, const int64_t *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t lo = a[2 * i] + (uint64_t)s[i];
+        a[2 * i + 1] += (s[i] < 0 ? UINT64_MAX : 0) + (lo < a[2 * i]);
+        a[2 * i] = lo;
+    }
+}
+
+/* d = x + y; d may alias x (element by element, each read before written). */
+static void i128_combine(uint64_t *d, const uint64_t *x, const uint64_t *y, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t lo = x[2 * i] + y[2 * i];
+        d[2 * i + 1] = x[2 * i + 1] + y[2 * i + 1] + (lo < x[2 * i]);
+        d[2 * i] = lo;
+    }
+}
+
+/* floor((hi:lo) / n) for a signed 128-bit value and 1 <= n < 2^31, when
+ * the quotient fits int64 (it does for a sum of n int64 values). Sums that
+ * fit int64 themselves divide directly; others divide the magnitude in
+ * 32-bit limbs (each partial dividend below 2^63) and round the negative
+ * case down. The quotient's low word is exact, and it is all that is kept. */
+static int64_t i128_floor_div(uint64_t lo, uint64_t hi, int64_t n) {
+    if (hi == ((int64_t)lo < 0 ? UINT64_MAX : 0)) return floor_div64((int64_t)lo, n);
+    const int neg = (int64_t)hi < 0;
+    if (neg) { /* magnitude: -(hi:lo) */
+        lo = ~lo + 1;
+        hi = ~hi + (lo == 0);
+    }
+    const uint64_t d = (uint64_t)n;
+    const uint32_t limb[4] = {(uint32_t)(hi >> 32), (uint32_t)hi, (uint32_t)(lo >> 32),
+                              (uint32_t)lo};
+    uint64_t rem = 0, q = 0;
+    for (int k = 0; k < 4; k++) {
+        const uint64_t cur = (rem << 32) | limb[k];
+        q = (q << 32) | (cur / d); /* the top limbs' quotient bits fall off: low word */
+        rem = cur % d;
+    }
+    return (int64_t)(neg ? (uint64_t)0 - (q + (rem != 0)) : q);
+}
+
+void ddp_acc_load(ddp_dtype t, ddp_redop op, void *acc, const void *src, size_t n) {
+    switch (acc_of(t, op)) {
+    case ACC_F32: ddp_convert_to_f32(t, acc, src, n); return;
+    case ACC_I128: i128_load(acc, src, n); return;
+    case ACC_I64:
+        if (t == DDP_INT8) I64_LOAD(int8_t, acc, src, n);
+        else if (t == DDP_UINT8) I64_LOAD(uint8_t, acc, src, n);
+        else I64_LOAD(int32_t, acc, src, n);
+        return;
+    case ACC_NATIVE:
+        if (n > 0 && acc != src) memcpy(acc, src, n * ddp_dtype_size(t));
+        return;
+    }
+}
+
+void ddp_acc_add(ddp_dtype t, ddp_redop op, void *acc, const void *src, size_t n) {
+    switch (acc_of(t, op)) {
+    case ACC_F32: ddp_reduce_acc(t, op, acc, src, n); return;
+    case ACC_I128: i128_add(acc, src, n); return;
+    case ACC_I64:
+        if (t == DDP_INT8) I64_ADD(int8_t, acc, src, n);
+        else if (t == DDP_UINT8) I64_ADD(uint8_t, acc, src, n);
+        else I64_ADD(int32_t, acc, src, n);
+        return;
+    case ACC_NATIVE: ddp_reduce(t, op, acc, src, n); return;
+    }
+}
+
+void ddp_acc_combine(ddp_dtype t, ddp_redop op, void *dst, const void *a, const void *b,
+                     size_t n) {
+    switch (acc_of(t, op)) {
+    case ACC_F32: ddp_reduce3(DDP_FLOAT32, op, dst, a, b, n); return;
+    case ACC_I64: ddp_reduce3(DDP_INT64, DDP_SUM, dst, a, b, n); return;
+    case ACC_I128: i128_combine(dst, a, b, n); return;
+    case ACC_NATIVE: ddp_reduce3(t, op, dst, a, b, n); return;
+    }
+}
+
+void ddp_acc_store(ddp_dtype t, ddp_redop op, void *dst, void *acc, size_t n, int nranks) {
+    const int64_t div = nranks > 1 && op == DDP_AVG ? nranks : 1;
+    switch (acc_of(t, op)) {
+    case ACC_F32:
+        ddp_reduce_finish(DDP_FLOAT32, op, acc, n, nranks);
+        ddp_convert_from_f32(t, dst, acc, n);
+        return;
+    case ACC_I128: {
+        const uint64_t *a = acc;
+        int64_t *d = dst;
+        for (size_t i = 0; i < n; i++) d[i] = i128_floor_div(a[2 * i], a[2 * i + 1], div);
+        return;
+    }
+    case ACC_I64:
+        if (t == DDP_INT8) I64_STORE(int8_t, dst, acc, n, div);
+        else if (t == DDP_UINT8) I64_STORE(uint8_t, dst, acc, n, div);
+        else I64_STORE(int32_t, dst, acc, n, div);
+        return;
+    case ACC_NATIVE:
+        if (n > 0 && dst != acc) memcpy(dst, acc, n * ddp_dtype_size(t));
+        ddp_reduce_finish(t, op, dst, n, nranks);
+        return;
     }
 }

@@ -33,7 +33,8 @@ const char *ddp_redop_name(ddp_redop op);
 ddp_status ddp_redop_check(ddp_dtype t, ddp_redop op);
 
 /* dst[i] = dst[i] op src[i] for i < n. AVG combines as SUM (the division is
- * applied once, at the end, by ddp_reduce_finish). */
+ * applied once, at the end, by ddp_reduce_finish or ddp_acc_store); integers
+ * wrap, so integer AVG must go through the accumulators below. */
 void ddp_reduce(ddp_dtype t, ddp_redop op, void *dst, const void *src, size_t n);
 
 /* dst[i] = a[i] op b[i] (out of place; dst may alias a). */
@@ -44,11 +45,42 @@ void ddp_reduce3(ddp_dtype t, ddp_redop op, void *dst, const void *a,
  * accumulation without a separate conversion pass). Other t: no-op. */
 void ddp_reduce_acc(ddp_dtype t, ddp_redop op, float *acc, const void *src, size_t n);
 
-/* After a SUM-style reduction across `nranks`, apply AVG's division: floats
- * divide (exact: sum then divide, as torch does); integers divide with
- * truncation toward zero (torch's integer semantics for AVG are undefined;
- * pyddp documents truncation). No-op for other ops. */
+/* After a SUM-style reduction across `nranks`, apply AVG's division in place:
+ * floats divide (sum then one division, as torch does); integers floor-divide
+ * (rounding toward minus infinity, like NumPy's and torch's //), which is
+ * exact only if the sum itself fitted the type: the collectives never call
+ * it for integers, they accumulate integer AVG in a wider type (below).
+ * No-op for other ops. */
 void ddp_reduce_finish(ddp_dtype t, ddp_redop op, void *buf, size_t n, int nranks);
+
+/* ---- accumulators ------------------------------------------------------
+ * A reduction across ranks combines the contributions in an accumulator
+ * type, which is the element type itself except for:
+ *   - float16/bfloat16, any op: float32, rounded once at the end;
+ *   - AVG of int8, uint8, int32: int64 (fewer than 2^32 contributions of
+ *     magnitude at most 2^31 sum to less than 2^63: never wraps);
+ *   - AVG of int64: a 128-bit two's-complement integer stored as two
+ *     uint64_t words, low word first (exact for any world size).
+ * So integer AVG is the exact mean rounded toward minus infinity (floor,
+ * as NumPy's and torch's //), never a wrapped sum divided; the result
+ * always fits the element type. Partial sums that travel between ranks (ring
+ * and chain algorithms) travel in the accumulator type, in host byte order
+ * like the data itself. Float AVG stays a sum and one division at the end.
+ * Buffers of the accumulator type hold n * ddp_acc_size(t, op) bytes. */
+size_t ddp_acc_size(ddp_dtype t, ddp_redop op);
+/* 1 if the accumulator is the element type itself (no staging needed). */
+int ddp_acc_is_native(ddp_dtype t, ddp_redop op);
+/* acc = src widened (src in the element type). */
+void ddp_acc_load(ddp_dtype t, ddp_redop op, void *acc, const void *src, size_t n);
+/* acc = acc op src widened (src in the element type). */
+void ddp_acc_add(ddp_dtype t, ddp_redop op, void *acc, const void *src, size_t n);
+/* dst = a op b, all three in the accumulator type (dst may alias a). */
+void ddp_acc_combine(ddp_dtype t, ddp_redop op, void *dst, const void *a, const void *b,
+                     size_t n);
+/* dst = the final value of acc in the element type, after AVG's division by
+ * nranks. dst either is acc (native accumulators only) or does not overlap
+ * it; acc's contents are clobbered. */
+void ddp_acc_store(ddp_dtype t, ddp_redop op, void *dst, void *acc, size_t n, int nranks);
 
 /* half <-> float conversions (exposed for tests and staging). */
 float ddp_half_to_float(uint16_t h);

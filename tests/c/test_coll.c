@@ -68,7 +68,7 @@ static double ref_reduce(ddp_dtype t, ddp_redop op, int n, size_t j) {
         else if (op == DDP_MIN) acc = fmin(acc, x);
         else acc = fmax(acc, x);
     }
-    if (op == DDP_AVG) acc = is_float(t) ? acc / n : (double)((int64_t)acc / n);
+    if (op == DDP_AVG) acc = is_float(t) ? acc / n : floor(acc / n); /* integers: floor */
     if (t == DDP_UINT8) acc = (uint8_t)(int64_t)acc;
     return acc;
 }

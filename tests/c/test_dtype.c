@@ -280,11 +280,11 @@ static void test_wrap_and_nan(void) {
 
 static void test_finish_and_acc(void) {
     int32_t iv[4] = {7, -7, 8, -1};
-    ddp_reduce_finish(DDP_INT32, DDP_AVG, iv, 4, 2); /* truncation toward zero */
-    T_ASSERT(iv[0] == 3 && iv[1] == -3 && iv[2] == 4 && iv[3] == 0);
+    ddp_reduce_finish(DDP_INT32, DDP_AVG, iv, 4, 2); /* floor, toward minus infinity */
+    T_ASSERT(iv[0] == 3 && iv[1] == -4 && iv[2] == 4 && iv[3] == -1);
     int8_t i8[1] = {-100};
     ddp_reduce_finish(DDP_INT8, DDP_AVG, i8, 1, 200); /* divisor wider than int8 */
-    T_ASSERT(i8[0] == 0);
+    T_ASSERT(i8[0] == -1);
     i8[0] = 120;
     ddp_reduce_finish(DDP_INT8, DDP_AVG, i8, 1, 7);
     T_ASSERT(i8[0] == 17);
@@ -316,6 +316,88 @@ static void test_finish_and_acc(void) {
     T_ASSERT(h2[0] == big);
 }
 
+/* floor(s / n) for the reference: the largest q with q * n <= s. */
+static __int128 ref_floor_div(__int128 s, int n) {
+    __int128 q = s / n;
+    while (q * n > s) q--;
+    while ((q + 1) * n <= s) q++;
+    return q;
+}
+
+/* The accumulators: sizes, and exact floor means of sums that overflow the
+ * element type, one contribution at a time (ddp_acc_add, the latency path)
+ * and as combined partial sums (ddp_acc_combine, the ring and chain). */
+static void test_accumulators(void) {
+    T_ASSERT(ddp_acc_size(DDP_FLOAT16, DDP_SUM) == 4 && ddp_acc_size(DDP_BFLOAT16, DDP_AVG) == 4);
+    T_ASSERT(ddp_acc_size(DDP_INT8, DDP_AVG) == 8 && ddp_acc_size(DDP_UINT8, DDP_AVG) == 8);
+    T_ASSERT(ddp_acc_size(DDP_INT32, DDP_AVG) == 8 && ddp_acc_size(DDP_INT64, DDP_AVG) == 16);
+    T_ASSERT(ddp_acc_size(DDP_INT32, DDP_SUM) == 4 && ddp_acc_is_native(DDP_INT64, DDP_MAX));
+    T_ASSERT(ddp_acc_is_native(DDP_FLOAT32, DDP_AVG) && !ddp_acc_is_native(DDP_INT8, DDP_AVG));
+
+    /* int64 AVG: ranks near +-2^63, and random values; 1 to 7 ranks */
+    enum { N = 64, R = 7 };
+    int64_t in[R][N], out[N];
+    for (int q = 0; q < R; q++)
+        for (int i = 0; i < N; i++) {
+            uint64_t x = next_rand();
+            in[q][i] = i % 4 == 0 ? INT64_MAX - (int64_t)(x % 5)
+                     : i % 4 == 1 ? INT64_MIN + (int64_t)(x % 5)
+                     : i % 4 == 2 ? (int64_t)(x >> (x % 64)) * ((x & 1) ? -1 : 1)
+                                  : (int64_t)x;
+        }
+    for (int n = 1; n <= R; n++) {
+        uint64_t acc[2 * N], part[2 * N];
+        ddp_acc_load(DDP_INT64, DDP_AVG, acc, in[0], N);
+        for (int q = 1; q < n; q++) ddp_acc_add(DDP_INT64, DDP_AVG, acc, in[q], N);
+        /* the same sum as two partial sums combined: [0, n/2) + [n/2, n) */
+        uint64_t lo[2 * N], hi[2 * N];
+        ddp_acc_load(DDP_INT64, DDP_AVG, lo, in[0], N);
+        for (int q = 1; q < n / 2; q++) ddp_acc_add(DDP_INT64, DDP_AVG, lo, in[q], N);
+        ddp_acc_load(DDP_INT64, DDP_AVG, hi, in[n / 2], N);
+        for (int q = n / 2 + 1; q < n; q++) ddp_acc_add(DDP_INT64, DDP_AVG, hi, in[q], N);
+        if (n >= 2) {
+            ddp_acc_combine(DDP_INT64, DDP_AVG, part, lo, hi, N);
+            ddp_acc_combine(DDP_INT64, DDP_AVG, lo, lo, hi, N); /* aliased dst */
+            T_ASSERT(memcmp(part, lo, sizeof part) == 0 && memcmp(part, acc, sizeof part) == 0);
+        }
+        ddp_acc_store(DDP_INT64, DDP_AVG, out, acc, N, n);
+        for (int i = 0; i < N; i++) {
+            __int128 s = 0;
+            for (int q = 0; q < n; q++) s += in[q][i];
+            if ((__int128)out[i] != ref_floor_div(s, n)) {
+                fprintf(stderr, "int64 AVG over %d ranks, element %d: got %lld want %lld\n", n,
+                        i, (long long)out[i], (long long)ref_floor_div(s, n));
+                exit(1);
+            }
+        }
+    }
+
+    /* narrow types through int64: uint8 200 + 200 -> 200 (a wrapped sum gives 72) */
+    uint8_t u[2][3] = {{200, 255, 0}, {200, 254, 1}}, uo[3];
+    int64_t a64[3];
+    ddp_acc_load(DDP_UINT8, DDP_AVG, a64, u[0], 3);
+    ddp_acc_add(DDP_UINT8, DDP_AVG, a64, u[1], 3);
+    ddp_acc_store(DDP_UINT8, DDP_AVG, uo, a64, 3, 2);
+    T_ASSERT(uo[0] == 200 && uo[1] == 254 && uo[2] == 0);
+    int8_t s8[3][2] = {{-128, 127}, {-128, 127}, {-127, 126}}, so[2];
+    ddp_acc_load(DDP_INT8, DDP_AVG, a64, s8[0], 2);
+    ddp_acc_add(DDP_INT8, DDP_AVG, a64, s8[1], 2);
+    ddp_acc_add(DDP_INT8, DDP_AVG, a64, s8[2], 2);
+    ddp_acc_store(DDP_INT8, DDP_AVG, so, a64, 2, 3); /* -383/3 -> -128, 380/3 -> 126 */
+    T_ASSERT(so[0] == -128 && so[1] == 126);
+    int32_t s32[2][1] = {{INT32_MIN}, {INT32_MIN + 1}}, o32[1];
+    ddp_acc_load(DDP_INT32, DDP_AVG, a64, s32[0], 1);
+    ddp_acc_add(DDP_INT32, DDP_AVG, a64, s32[1], 1);
+    ddp_acc_store(DDP_INT32, DDP_AVG, o32, a64, 1, 2); /* floor(-(2^32 - 1) / 2) */
+    T_ASSERT(o32[0] == INT32_MIN);
+
+    /* native accumulators are the plain kernels: float AVG divides once */
+    double d[2] = {1.0, 2.0}, e[2] = {2.0, 2.0};
+    ddp_acc_add(DDP_FLOAT64, DDP_AVG, d, e, 2);
+    ddp_acc_store(DDP_FLOAT64, DDP_AVG, d, d, 2, 2);
+    T_ASSERT(d[0] == 1.5 && d[1] == 2.0);
+}
+
 int main(void) {
     test_names();
     test_half_decode_exhaustive();
@@ -325,6 +407,7 @@ int main(void) {
     test_kernels();
     test_wrap_and_nan();
     test_finish_and_acc();
+    test_accumulators();
     printf("test_dtype: ok\n");
     return 0;
 }
