@@ -126,14 +126,15 @@ def fill_pattern(x, rank):
 
 def reference(op, world, start, n, dtype):
     """The reduction over all ranks of elements [start, start+n), in float64, rounded as
-    pyddp defines it (AVG: exact division for floats, truncation for integers)."""
+    pyddp defines it (AVG: exact division for floats, the floor of the exact mean for
+    integers)."""
     acc = pattern(0, start, n)
     for r in range(1, world):
         acc = NP_REDUCE[op](acc, pattern(r, start, n))
     if dtype.startswith("int") or dtype.startswith("uint"):
         info = np.iinfo(dtype)
         if op == "avg":
-            acc = np.trunc(acc / world)
+            acc = np.floor(acc / world)
         # Integer products wrap as C arithmetic does.
         acc = ((acc.astype(np.int64) - info.min) % (1 << info.bits) + info.min).astype(np.float64)
     elif op == "avg":

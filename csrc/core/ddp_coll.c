@@ -21,6 +21,8 @@ const char *ddp_coll_name(ddp_coll_kind k) {
     case DDP_COLL_SEND: return "send";
     case DDP_COLL_RECV: return "recv";
     case DDP_COLL_BARRIER: return "barrier";
+    case DDP_COLL_ALLTOALL: return "all_to_all";
+    case DDP_COLL_P2P_BATCH: return "batch_isend_irecv";
     }
     return "unknown-collective";
 }
@@ -88,8 +90,10 @@ static ddp_status check_buffers(const ddp_group *g, const ddp_coll_args *a) {
 ddp_status ddp_coll_validate(const ddp_group *g, const ddp_coll_args *a) {
     if (!g || !a || g->size < 1 || g->rank < 0 || g->rank >= g->size)
         return ddp_error(DDP_ERR_INTERNAL, "collective on an invalid group");
-    if (a->kind < DDP_COLL_ALLREDUCE || a->kind > DDP_COLL_BARRIER)
+    if (a->kind < DDP_COLL_ALLREDUCE || a->kind > DDP_COLL_P2P_BATCH)
         return ddp_error(DDP_ERR_INVALID, "unknown collective kind %d", (int)a->kind);
+    if (a->kind == DDP_COLL_ALLTOALL) return ddp_coll_a2a_validate(g, a);
+    if (a->kind == DDP_COLL_P2P_BATCH) return ddp_coll_batch_validate(g, a);
     if (a->kind == DDP_COLL_BARRIER) return DDP_OK;
     ddp_status st = ddp_redop_check(a->dtype, DDP_SUM); /* dtype alone */
     if (st != DDP_OK) return st;
@@ -162,11 +166,15 @@ static ddp_status run_large(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     case DDP_COLL_SCATTER: return ddp_coll_direct_scatter(g, a, w);
     case DDP_COLL_SEND: case DDP_COLL_RECV: return ddp_coll_p2p(g, a, w);
     case DDP_COLL_BARRIER: return DDP_OK;
+    case DDP_COLL_ALLTOALL: case DDP_COLL_P2P_BATCH: break; /* run by ddp_coll_run itself */
     }
     return ddp_error(DDP_ERR_INTERNAL, "no algorithm for collective kind %d", (int)a->kind);
 }
 
 ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
+    /* per-peer sizes: their own header exchange and error prefix */
+    if (a->kind == DDP_COLL_ALLTOALL) return ddp_coll_a2a_run(g, a, w);
+    if (a->kind == DDP_COLL_P2P_BATCH) return ddp_coll_batch_run(g, a, w);
     const int small = a->kind == DDP_COLL_BARRIER || call_bytes(g, a) <= g->small_bytes;
     const ddp_coll_hdr h =
         ddp_coll_hdr_make(g, a, small ? DDP_COLL_PATH_SMALL : DDP_COLL_PATH_LARGE);

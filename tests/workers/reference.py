@@ -37,7 +37,7 @@ def reference(arrs, op, dtype):
     r = {"SUM": x.sum(0), "MIN": x.min(0), "MAX": x.max(0), "PRODUCT": x.prod(0),
          "AVG": x.sum(0) / len(arrs)}[op]
     if op == "AVG" and dtype in INTS:
-        r = np.trunc(r)
+        r = np.floor(r)  # the exact mean rounded toward minus infinity, like //
     if dtype in INTS and np.iinfo(dtype).bits < 64:
         info = np.iinfo(dtype)
         r = (r.astype(np.int64) - info.min) % (1 << info.bits) + info.min
