@@ -6,7 +6,8 @@
  * Files: ddp_coll.c (validation, dispatch, scratch), ddp_coll_xchg.c
  * (header codec, mismatch check, exchange), ddp_coll_small.c (latency path),
  * ddp_coll_ring.c (ring reduce-scatter / all-gather), ddp_coll_root.c
- * (broadcast, reduce, gather, scatter, send/recv on the bandwidth path).
+ * (broadcast, reduce, gather, scatter, send/recv on the bandwidth path),
+ * ddp_coll_a2a.c (all_to_all), ddp_coll_batch.c (batched send/recv).
  */
 #ifndef DDP_COLL_INTERNAL_H
 #define DDP_COLL_INTERNAL_H
@@ -72,6 +73,10 @@ static inline int ddp_coll_is_half(ddp_dtype t) {
 
 /* The header this rank sends for a (validated) call taking `path`. */
 ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path);
+/* Wire form of a header (DDP_COLL_HDR_BYTES), and back: parse fails with
+ * DDP_ERR_PROTOCOL unless `in` is a header sent by rank p. */
+void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out);
+ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, ddp_coll_hdr *h);
 /* "all_reduce(count=10, float32, sum)" for a header, into buf. */
 void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len);
 
@@ -109,5 +114,22 @@ ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait 
 ddp_status ddp_coll_direct_gather(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 ddp_status ddp_coll_direct_scatter(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 ddp_status ddp_coll_p2p(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+
+/* all_to_all (ddp_coll_a2a.c) and batched send/recv (ddp_coll_batch.c):
+ * their own validation, and the whole call, header exchange included. */
+ddp_status ddp_coll_a2a_validate(const ddp_group *g, const ddp_coll_args *a);
+ddp_status ddp_coll_a2a_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+ddp_status ddp_coll_batch_validate(const ddp_group *g, const ddp_coll_args *a);
+ddp_status ddp_coll_batch_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+
+/* Little-endian 64-bit fields of the tables those two exchange. */
+static inline void ddp_coll_put_le64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline uint64_t ddp_coll_get_le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
 
 #endif

@@ -60,6 +60,8 @@ static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
     h->seq = get64(in + 24);
 }
 
+void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out) { hdr_encode(h, out); }
+
 ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path) {
     ddp_coll_hdr h = {.magic = DDP_COLL_MAGIC, .kind = (uint8_t)a->kind, .path = (uint8_t)path,
                       .rank = (uint32_t)g->rank, .seq = g->seq};
@@ -95,6 +97,11 @@ void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len) {
     case DDP_COLL_RECV:
         snprintf(buf, len, "recv(count=%llu, %s, from rank %d)", n, dt, (int)h->root);
         break;
+    case DDP_COLL_ALLTOALL: snprintf(buf, len, "all_to_all(%s)", dt); break;
+    case DDP_COLL_P2P_BATCH: /* count: sends << 32 | receives, with rank `root` */
+        snprintf(buf, len, "batch_isend_irecv(%llu sends to and %llu receives from rank %d)",
+                 n >> 32, n & 0xffffffffu, (int)h->root);
+        break;
     default: snprintf(buf, len, "%s(count=%llu, %s, root=%d)", name, n, dt, (int)h->root);
     }
 }
@@ -102,7 +109,11 @@ void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len) {
 /* ---- header checks -------------------------------------------------------- */
 
 static ddp_status hdr_read(const ddp_coll_xres *r, int p, ddp_coll_hdr *h) {
-    hdr_decode(r->slots + (size_t)p * r->slot_len, h);
+    return ddp_coll_hdr_parse(r->slots + (size_t)p * r->slot_len, p, h);
+}
+
+ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, ddp_coll_hdr *h) {
+    hdr_decode(in, h);
     if (h->magic != DDP_COLL_MAGIC || h->rank != (uint32_t)p)
         return ddp_error(DDP_ERR_PROTOCOL, "rank %d sent bytes that are not a collective header "
                          "(magic 0x%08x, rank %u); do all ranks run the same pyddp version?", p,
