@@ -1,0 +1,42 @@
+"""torch's auto-load hook for pyddp: registers the torch.distributed backend "pyddp".
+
+torch loads every entry point of the group ``torch.backends`` at ``import torch``
+(unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``); pyproject.toml points one at
+:func:`register`. That runs in every torch process on the machine, so this module is a
+top-level module of its own: importing anything inside the ``pyddp`` package would run
+``pyddp/__init__.py``, which loads the C extension and NumPy. Here nothing is imported
+but ``torch.distributed`` (already imported by torch at that point) and nothing can
+raise: a failure leaves the backend unregistered, and ``import torch`` works as before.
+
+The creator registered here is a stub that imports ``pyddp.torch_backend`` when a
+group is actually created with ``backend="pyddp"``.
+"""
+import sys
+
+NAME = "pyddp"
+
+
+def _create(backend_options, pg_options=None):
+    """torch's creator (extended API): build the process group in pyddp.torch_backend."""
+    from pyddp.torch_backend import create_process_group
+    return create_process_group(backend_options, pg_options)
+
+
+def register():
+    """Register the "pyddp" backend with torch.distributed unless it already is (by this
+    hook or by ``import pyddp.torch_backend``). Returns True when it is registered
+    afterwards; never raises."""
+    try:
+        dist = sys.modules.get("torch.distributed")
+        if dist is None:
+            import torch.distributed as dist
+        if not dist.is_available():
+            return False
+        backend = dist.Backend
+        if NAME.upper() in backend._plugins:
+            return True
+        # devices as a list: a string would be iterated character by character.
+        backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        return True
+    except Exception:  # noqa: BLE001 - a broken hook must not break `import torch`
+        return False

@@ -1,0 +1,462 @@
+"""The torch.distributed ProcessGroup that the "pyddp" backend hands to torch.
+
+``ProcessGroupPyddp`` subclasses ``torch.distributed.ProcessGroup`` (torch 2.13 cannot
+subclass its C++ ``Backend`` from Python) and implements every method torch calls on a
+group, from Python (``dist.all_reduce`` calls ``group.allreduce``) and from C++ (DDP's
+reducer, functional collectives, through pybind's trampoline), under both the old and
+the new names where torch has two. Each method maps torch's arguments onto pyddp's
+collective of the same meaning, on this group's pyddp group handle: CPU tensors go
+to pyddp's CPU transport and CUDA tensors to its NCCL path, chosen by the handle.
+
+torch's options carry group ranks; pyddp's src/dst are global ranks, so roots are
+translated through the handle's member list. torch's semantics kept here:
+
+* every call is asynchronous: it returns a torch ``Work`` made from a
+  ``torch.futures.Future`` whose value is the list of output tensors, completed by
+  pyddp's own worker (``Work.add_done_callback``), never by a Python thread per call;
+* errors raised while the collective runs reach the future as torch's DistError
+  family; arguments pyddp refuses raise at the call, before anything is sent;
+* ``ReduceOp.PREMUL_SUM`` is a SUM of the inputs scaled by its factor; the bitwise
+  ops are refused before communicating.
+"""
+import threading
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+import pyddp
+from . import _C
+
+_RedOpType = dist.ReduceOp.RedOpType
+_OPS = {_RedOpType.SUM: pyddp.ReduceOp.SUM, _RedOpType.AVG: pyddp.ReduceOp.AVG,
+        _RedOpType.MIN: pyddp.ReduceOp.MIN, _RedOpType.MAX: pyddp.ReduceOp.MAX,
+        _RedOpType.PRODUCT: pyddp.ReduceOp.PRODUCT}
+
+
+class TimeoutError_(dist.DistBackendError, TimeoutError):
+    """A pyddp timeout as torch reports collective failures (DistBackendError), still
+    catchable as TimeoutError like pyddp's own DistTimeoutError."""
+
+
+TimeoutError_.__name__ = TimeoutError_.__qualname__ = "DistBackendTimeoutError"
+
+
+def torch_error(e):
+    """The exception torch code expects for pyddp's exception e (same message, e as
+    its cause): DistNetworkError, DistStoreError, a DistBackendError that is also a
+    TimeoutError for timeouts, DistBackendError for every other pyddp DistError.
+    Anything else (argument errors, KeyboardInterrupt) is returned unchanged."""
+    if isinstance(e, dist.DistError) or not isinstance(e, _C.DistError):
+        return e
+    if isinstance(e, _C.DistNetworkError):
+        cls = dist.DistNetworkError
+    elif isinstance(e, getattr(_C, "DistStoreError", ())):
+        cls = dist.DistStoreError
+    elif isinstance(e, _C.DistTimeoutError):
+        cls = TimeoutError_
+    else:
+        cls = dist.DistBackendError
+    out = cls(str(e))
+    out.__cause__ = e
+    return out
+
+
+def _reduce_op(op):
+    """(pyddp ReduceOp, PREMUL_SUM factor or None) for torch's ReduceOp (or RedOpType).
+    Raises ValueError for ops pyddp cannot run (the bitwise ones), before any call."""
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    if kind == _RedOpType.PREMUL_SUM:
+        return pyddp.ReduceOp.SUM, op.factor
+    if kind in _OPS:
+        return _OPS[kind], None
+    raise pyddp.DistValueError(
+        f"the pyddp backend does not support ReduceOp.{getattr(kind, 'name', kind)}; it "
+        f"supports SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM. For bool tensors use MAX "
+        f"for logical or and MIN for logical and.")
+
+
+def _scaled(t, factor):
+    """A new tensor t * factor (PREMUL_SUM's input), leaving t unchanged."""
+    with torch.no_grad():
+        return t.detach() * factor
+
+
+class _Completion:
+    """Completes one torch future once every pyddp Work of a call has finished: with
+    ``result`` (after ``post()``, if given, copied results into place), or with the
+    first failure as torch's exception. pyddp calls ``done`` from its worker thread
+    (holding the GIL), or at once when the work already finished."""
+
+    def __init__(self, fut, n, result, post):
+        self.fut, self.left, self.result, self.post = fut, n, result, post
+        self.error = None
+        self.lock = threading.Lock()
+
+    def done(self, work):
+        exc = work.exception()
+        with self.lock:
+            if exc is not None and self.error is None:
+                self.error = exc
+            self.left -= 1
+            if self.left:
+                return
+        err = self.error
+        if err is None and self.post is not None:
+            try:
+                self.post()
+            except BaseException as e:  # noqa: BLE001 - reported through the future
+                err = e
+        if err is None:
+            self.fut.set_result(self.result)
+        else:
+            self.fut.set_exception(torch_error(err) if isinstance(err, Exception)
+                                   else RuntimeError(str(err)))
+
+
+def _future_for(tensors):
+    """A torch future; for CUDA results it lists their devices, so a consumer's stream
+    is ordered after the completion (torch records an event when it is set)."""
+    devs = sorted({t.device for t in tensors if t.is_cuda}, key=lambda d: d.index or 0)
+    return torch.futures.Future(devices=devs) if devs else torch.futures.Future()
+
+
+def _flat(lists):
+    return [t for lst in lists for t in lst]
+
+
+class _BackendInfo:
+    """What torch asks of ``pg._get_backend(device)``: a backend that cannot split
+    (``init_process_group(device_id=...)``, DeviceMesh), allocates no special tensors
+    (FSDP2), has no coalescing or time estimation."""
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def __init__(self, device):
+        self.device = device
+
+    def supports_tensor_alloc(self, device):
+        return False
+
+    def name(self):
+        return "pyddp"
+
+    def __repr__(self):
+        return f"<pyddp backend for {self.device}>"
+
+
+class ProcessGroupPyddp(dist.ProcessGroup):
+    """A torch process group whose collectives run on pyddp group handle ``handle``
+    (a pyddp group; None stands for pyddp's default group). rank and size are this
+    process's rank in the group and the group's size; ranks are the handle's global
+    ranks, indexed by group rank; timeout is the group's (a timedelta)."""
+
+    def __init__(self, handle, rank, size, ranks, timeout, on_shutdown=None):
+        super().__init__(rank, size)
+        self._handle = handle
+        self._ranks = list(ranks)
+        self._timeout = timeout
+        self._on_shutdown = on_shutdown
+        self._name = ""
+        self._desc = "undefined"
+        self._closed = False
+        self._coalesced = None      # futures collected between _start/_end_coalescing
+
+    # -- identity: what torch, FSDP2 and DeviceMesh look up ----------------------------
+
+    def getBackendName(self):
+        return "pyddp"
+
+    def setGroupName(self, name):
+        self._name = name
+
+    def getGroupName(self):
+        return self._name
+
+    def setGroupDesc(self, desc):
+        self._desc = desc
+
+    def getGroupDesc(self):
+        return self._desc
+
+    def _get_backend(self, device):
+        return _BackendInfo(torch.device(device))
+
+    @property
+    def _device_types(self):
+        devs = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devs.append(torch.device("cuda"))
+        return devs
+
+    @property
+    def handle(self):
+        """The pyddp group this process group runs on."""
+        return self._handle
+
+    def __repr__(self):
+        return (f"<ProcessGroupPyddp {self._name!r} rank {self.rank()} of {self.size()}, "
+                f"global ranks {self._ranks}>")
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _global(self, group_rank, what):
+        if not 0 <= group_rank < len(self._ranks):
+            raise pyddp.DistValueError(f"{what}={group_rank} is out of range for a group of "
+                                       f"{len(self._ranks)} ranks")
+        return self._ranks[group_rank]
+
+    def _kw(self):
+        return {"group": self._handle, "async_op": True}
+
+    def _run(self, calls, result, post=None):
+        """Start every call (each returns a pyddp Work, or None when it needs no
+        communication) and return one torch Work that completes when all finished,
+        with value ``result`` (a list of tensors). A pyddp error raised while starting
+        is raised as torch's; works already started still complete the future."""
+        fut = _future_for(result)
+        works = []
+        try:
+            for call in calls:
+                w = call()
+                if w is not None:
+                    works.append(w)
+        except Exception as e:
+            if not works:
+                raise torch_error(e) from e
+            # The calls already queued run anyway; wait for them, then report.
+            for w in works:
+                try:
+                    w.wait()
+                except Exception:  # noqa: BLE001 - the first error is reported below
+                    pass
+            raise torch_error(e) from e
+        comp = _Completion(fut, max(len(works), 1), result, post)
+        if not works:
+            comp.done(_NoWork)
+        for w in works:
+            _when_done(w, comp.done)
+        if self._coalesced is not None:
+            self._coalesced.append(fut)
+        return _create_work_from_future(fut)
+
+    def _ops(self, op):
+        return _reduce_op(op)
+
+    # -- reductions -----------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        if factor is not None:
+            with torch.no_grad():
+                for t in tensors:
+                    t.detach().mul_(factor)
+        kw = self._kw()
+        return self._run([lambda t=t: pyddp.all_reduce(t, op=op, **kw) for t in tensors],
+                         list(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        if factor is not None:
+            with torch.no_grad():
+                for t in tensors:
+                    t.detach().mul_(factor)
+        kw = self._kw()
+        coalesced = getattr(pyddp, "all_reduce_coalesced", None)
+        if coalesced is not None and tensors:
+            return self._run([lambda: coalesced(list(tensors), op=op, **kw)], list(tensors))
+        return self._run([lambda t=t: pyddp.all_reduce(t, op=op, **kw) for t in tensors],
+                         list(tensors))
+
+    def reduce(self, tensors, opts):
+        op, factor = _reduce_op(opts.reduceOp)
+        dst = self._global(opts.rootRank, "dst")
+        kw = self._kw()
+        if factor is None:
+            return self._run([lambda t=t: pyddp.reduce(t, dst=dst, op=op, **kw)
+                              for t in tensors], list(tensors))
+        # reduce leaves non-root inputs unchanged: scale a copy, copy the root's back
+        scaled = [_scaled(t, factor) for t in tensors]
+        me = self.rank() == opts.rootRank
+
+        def post():
+            if me:
+                with torch.no_grad():
+                    for t, s in zip(tensors, scaled):
+                        t.copy_(s)
+        return self._run([lambda s=s: pyddp.reduce(s, dst=dst, op=op, **kw) for s in scaled],
+                         list(tensors), post)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        if factor is not None:
+            input_lists = [[_scaled(t, factor) for t in lst] for lst in input_lists]
+        kw = self._kw()
+        return self._run([lambda o=o, lst=lst: pyddp.reduce_scatter(o, list(lst), op=op, **kw)
+                          for o, lst in zip(outputs, input_lists)], list(outputs))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        if factor is not None:
+            input = _scaled(input, factor)
+        kw = self._kw()
+        return self._run([lambda: pyddp.reduce_scatter_tensor(output, input, op=op, **kw)],
+                         [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        if factor is not None:
+            inputs = [_scaled(t, factor) for t in inputs]
+        kw = self._kw()
+        return self._run([lambda o=o, i=i: pyddp.reduce_scatter_tensor(o, i, op=op, **kw)
+                          for o, i in zip(outputs, inputs)], list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement ----------------------------------------------------------------
+
+    def broadcast(self, tensors, opts=None):
+        src = self._global(opts.rootRank if opts is not None else 0, "src")
+        kw = self._kw()
+        return self._run([lambda t=t: pyddp.broadcast(t, src=src, **kw) for t in tensors],
+                         list(tensors))
+
+    def allgather(self, output_lists, inputs, opts=None):
+        kw = self._kw()
+        return self._run([lambda o=o, i=i: pyddp.all_gather(list(o), i, **kw)
+                          for o, i in zip(output_lists, inputs)], _flat(output_lists))
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.allgather(output_lists, inputs, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        kw = self._kw()
+        return self._run([lambda: pyddp.all_gather_into_tensor(output, input, **kw)], [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        kw = self._kw()
+        return self._run([lambda o=o, i=i: pyddp.all_gather_into_tensor(o, i, **kw)
+                          for o, i in zip(outputs, inputs)], list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_lists, inputs, opts):
+        dst = self._global(opts.rootRank, "dst")
+        me = self.rank() == opts.rootRank
+        kw = self._kw()
+        outs = list(output_lists[0]) if me and output_lists else None
+        return self._run([lambda: pyddp.gather(inputs[0], outs, dst=dst, **kw)],
+                         outs if outs is not None else [])
+
+    def scatter(self, outputs, input_lists, opts):
+        src = self._global(opts.rootRank, "src")
+        me = self.rank() == opts.rootRank
+        kw = self._kw()
+        ins = list(input_lists[0]) if me and input_lists else None
+        return self._run([lambda: pyddp.scatter(outputs[0], ins, src=src, **kw)],
+                         list(outputs))
+
+    def alltoall(self, outputs, inputs, opts=None):
+        kw = self._kw()
+        return self._run([lambda: pyddp.all_to_all(list(outputs), list(inputs), **kw)],
+                         list(outputs))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        kw = self._kw()
+        osz = list(output_split_sizes) or None
+        isz = list(input_split_sizes) or None
+        return self._run([lambda: pyddp.all_to_all_single(
+            output, input, output_split_sizes=osz, input_split_sizes=isz, **kw)], [output])
+
+    alltoall_base = all_to_all_single
+
+    # -- point to point and barriers ----------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        peer = self._global(dst, "dst")
+        return self._run([lambda t=t: pyddp.isend(t, peer, group=self._handle, tag=tag)
+                          for t in tensors], list(tensors))
+
+    def recv(self, tensors, src, tag=0):
+        peer = self._global(src, "src")
+        return self._run([lambda t=t: pyddp.irecv(t, peer, group=self._handle, tag=tag)
+                          for t in tensors], list(tensors))
+
+    def recv_anysource(self, tensors, tag=0):
+        raise pyddp.DistValueError("the pyddp backend cannot receive from any source: pass "
+                                   "src= to recv/irecv")
+
+    def barrier(self, opts=None):
+        return self._run([lambda: pyddp.barrier(**self._kw())], [])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """torch's monitored_barrier: every rank reports to the group's first rank, which
+        names the ranks that did not arrive within timeout (the group's by default)."""
+        try:
+            pyddp.monitored_barrier(group=self._handle, timeout=timeout or self._timeout,
+                                    wait_all_ranks=wait_all_ranks)
+        except Exception as e:
+            raise torch_error(e) from e
+
+    # -- coalescing (torch's old-style _coalescing_manager with a device) ---------------
+
+    def _start_coalescing(self, device=None):
+        self._coalesced = []
+
+    def _end_coalescing(self, device=None):
+        futs, self._coalesced = self._coalesced or [], None
+        fut = torch.futures.collect_all(futs).then(lambda f: [])
+        return _create_work_from_future(fut)
+
+    start_coalescing = _start_coalescing
+    end_coalescing = _end_coalescing
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def shutdown(self):
+        """Close the pyddp group (torch calls this from destroy_process_group)."""
+        if self._closed:
+            return
+        self._closed = True
+        on_shutdown, self._on_shutdown = self._on_shutdown, None
+        if on_shutdown is not None:
+            on_shutdown(self)
+
+    def abort(self):
+        """Break the group now: peers blocked on this rank fail fast."""
+        h = self._handle
+        abort = getattr(h, "abort", None)
+        if abort is not None:
+            abort("abort() called through torch")
+        self.shutdown()
+
+
+class _NoWorkType:
+    """Stands for 'nothing to wait for' in _Completion.done."""
+
+    @staticmethod
+    def exception():
+        return None
+
+
+_NoWork = _NoWorkType()
+
+
+def _when_done(work, fn):
+    """Call fn(work) once work finished with its results in place: from pyddp's worker
+    through Work.add_done_callback, or (a pyddp without it) by waiting here."""
+    add = getattr(work, "add_done_callback", None)
+    if add is not None:
+        add(fn)
+        return
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001 - fn reads it through work.exception()
+        pass
+    fn(work)

@@ -1,0 +1,242 @@
+"""pyddp as a torch.distributed backend: ``init_process_group(backend="pyddp")``.
+
+Installing pyddp registers the backend through torch's ``torch.backends`` entry point
+(``_pyddp_torch_hook``, auto-loaded at ``import torch``); importing this module
+registers it too (for ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``). Both register the same
+creator, once.
+
+torch calls the creator for the default group and for every ``new_group`` this
+process is a member of, with a store, the group rank and size, the timeout, the
+group's name and its global ranks (extended API). The creator:
+
+* default group: finds the TCPStore underneath torch's PrefixStores (under torchrun,
+  the agent's store) and connects a pyddp store client to it; for any other store
+  (FileStore, HashStore) rank 0 hosts a pyddp store on an ephemeral port and
+  publishes its address through torch's store. pyddp then rendezvouses under its own
+  prefix ``/pyddp/<run id>/<restart count>/torch/<generation>.<group name>``: a torchrun
+  restart (whose agent store still holds the old keys) or a second init in the same
+  process starts clean, and torch's own keys are untouched.
+* ``new_group(ranks)`` when the default group is pyddp's: a pyddp subgroup running on
+  the default group's connections (no new rendezvous). When the default group is
+  another backend's, a standalone pyddp group for the members, over the store.
+
+The group itself is :class:`pyddp._torch_pg.ProcessGroupPyddp`. Two torch functions
+refuse backends they do not know, so this module wraps them for pyddp groups only:
+``monitored_barrier`` (gloo-only in torch) and ``batch_isend_irecv`` (which torch
+would issue op by op; pyddp runs the batch at once so that a ring exchange cannot
+deadlock). Every other group reaches torch's original functions unchanged.
+"""
+import functools
+import logging
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.distributed import distributed_c10d as c10d
+
+import _pyddp_torch_hook
+import pyddp
+from . import _C, _env, _group
+from ._torch_pg import ProcessGroupPyddp, torch_error, _when_done
+from .store import TCPStore
+
+__all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
+
+NAME = _pyddp_torch_hook.NAME
+log = logging.getLogger("pyddp")
+
+_STORE_KEY = "pyddp_store_addr"   # where rank 0 publishes a store it hosts
+
+
+class _State:
+    lock = threading.Lock()
+    generation = 0          # default groups created in this process (prefix part)
+    stores = {}             # (host, port) -> pyddp TCPStore client, shared by groups
+    patched = False
+
+
+def register():
+    """Register the "pyddp" backend with torch.distributed (idempotent)."""
+    return _pyddp_torch_hook.register()
+
+
+def _timeout_s(timeout):
+    return _env.timeout_seconds(timeout if timeout is not None and
+                                timeout.total_seconds() > 0 else None)
+
+
+def _base_store(store):
+    """The store underneath torch's PrefixStore chain."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 64:
+        store = store.underlying_store
+        seen += 1
+    return store
+
+
+def _client(host, port, timeout_s):
+    """A pyddp store client for the TCPStore server at host:port, shared by every
+    group of this process (created on first use)."""
+    key = (host, port)
+    st = _State.stores.get(key)
+    if st is None:
+        st = _group._connect_store(host, port, timeout_s)
+        _State.stores[key] = st
+    return st
+
+
+def _pyddp_store(store, rank, timeout_s):
+    """A pyddp.TCPStore reaching the same server as torch's store, or (a store that
+    is not a TCPStore) one that rank 0 hosts and announces through torch's store."""
+    base = _base_store(store)
+    if isinstance(base, dist.TCPStore):
+        host = base.host or "127.0.0.1"
+        return _client(host, base.port, timeout_s)
+    if rank == 0:
+        hosted = _group._hosted_store(("torch-backend",), "", 0, timeout_s)
+        addr = _group._primary_address() if not os.environ.get("PYDDP_SOCKET_IFNAME") \
+            else _env.advertise_address(None)
+        store.set(_STORE_KEY, f"{addr}:{hosted.port}")
+        return hosted
+    host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
+    return _client(host, int(port), timeout_s)
+
+
+def _options_backend(pg_options):
+    """pg_options may pick pyddp's transport: {"backend": "cpu"} keeps CUDA tensors
+    off NCCL; None (default) routes CPU tensors to the CPU transport and CUDA tensors
+    to NCCL."""
+    if pg_options is None:
+        return None
+    be = pg_options.get("backend") if isinstance(pg_options, dict) else \
+        getattr(pg_options, "backend", None)
+    if be not in (None, "cpu", "nccl"):
+        raise pyddp.DistValueError(f"pg_options backend={be!r}: use 'cpu', 'nccl' or None")
+    return be
+
+
+def _default_pyddp_pg():
+    """torch's default group when it is a pyddp one (subgroups are cut from it)."""
+    if not dist.is_initialized():
+        return None
+    pg = c10d._get_default_group()
+    return pg if isinstance(pg, ProcessGroupPyddp) else None
+
+
+def create_process_group(opts, pg_options=None):
+    """torch's creator for backend "pyddp" (extended API): the ProcessGroupPyddp of
+    this rank. Collective over the group's members. On failure nothing is left
+    registered; pyddp's error arrives as torch's DistError family."""
+    _patch_torch()
+    rank, size = opts.group_rank, opts.group_size
+    ranks = list(opts.global_ranks_in_group)
+    timeout_s = _timeout_s(opts.timeout)
+    backend = _options_backend(pg_options)
+    name = str(opts.group_id)
+    parent = _default_pyddp_pg() if ranks else None
+    try:
+        if parent is not None and parent.handle is not None and backend is None:
+            handle = parent.handle.subgroup(sorted(ranks), name)
+            return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout)
+        with _State.lock:
+            gen = _State.generation
+            _State.generation += 1
+        store = _pyddp_store(opts.store, rank, timeout_s)
+        handle = _world(store, rank, size, timeout_s, f"{gen}.{name}", backend)
+    except Exception as e:
+        raise torch_error(e) from e
+    members = handle.ranks if handle is not None else range(size)
+    return ProcessGroupPyddp(handle, rank, size, members, opts.timeout, _close)
+
+
+def _world(store, rank, size, timeout_s, name, backend):
+    """A standalone pyddp world group over store (every member calls it)."""
+    if not hasattr(_group, "create_world"):     # INTERIM until groups land
+        from datetime import timedelta
+        pyddp.init_process_group("cpu", store=store, rank=rank, world_size=size,
+                                 timeout=timedelta(seconds=timeout_s))
+        return None
+    return _group.create_world(store, rank, size, timeout_s, name, backend=backend)
+
+
+def _close(pg):
+    """ProcessGroupPyddp's shutdown: destroy its pyddp group."""
+    h = pg.handle
+    if h is None:                                # INTERIM
+        pyddp.destroy_process_group()
+    elif hasattr(h, "destroy"):
+        h.destroy()
+
+
+# -- the two torch functions that refuse unknown backends ----------------------------
+
+def _resolve(group):
+    return group if group is not None else c10d.GroupMember.WORLD
+
+
+def _monitored_barrier(orig):
+    @functools.wraps(orig)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        pg = _resolve(group)
+        if not isinstance(pg, ProcessGroupPyddp):
+            return orig(group, timeout, wait_all_ranks)
+        return pg.monitored_barrier(timeout, wait_all_ranks)
+    monitored_barrier._pyddp_orig = orig
+    return monitored_barrier
+
+
+def _batch_isend_irecv(orig):
+    @functools.wraps(orig)
+    def batch_isend_irecv(p2p_op_list):
+        c10d._check_p2p_op_list(p2p_op_list)
+        pg = _resolve(p2p_op_list[0].group)
+        if not isinstance(pg, ProcessGroupPyddp):
+            return orig(p2p_op_list)
+        ops = []
+        for op in p2p_op_list:
+            send = op.op in (dist.isend, c10d.isend)
+            ops.append(pyddp.P2POp(pyddp.isend if send else pyddp.irecv, op.tensor,
+                                   pg._global(op.group_peer, "peer"), group=pg.handle,
+                                   tag=op.tag))
+        try:
+            works = pyddp.batch_isend_irecv(ops)
+        except Exception as e:
+            raise torch_error(e) from e
+        out = []
+        for op, w in zip(p2p_op_list, works):
+            fut = torch.futures.Future(devices=[op.tensor.device]) if op.tensor.is_cuda \
+                else torch.futures.Future()
+            _when_done(w, functools.partial(_settle, fut, [op.tensor]))
+            out.append(_create_work_from_future(fut))
+        return out
+    batch_isend_irecv._pyddp_orig = orig
+    return batch_isend_irecv
+
+
+def _settle(fut, result, work):
+    exc = work.exception()
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(torch_error(exc))
+
+
+def _patch_torch():
+    """Wrap monitored_barrier and batch_isend_irecv (see the module docstring), once."""
+    with _State.lock:
+        if _State.patched:
+            return
+        _State.patched = True
+        for fname, wrap in (("monitored_barrier", _monitored_barrier),
+                            ("batch_isend_irecv", _batch_isend_irecv)):
+            orig = getattr(c10d, fname)
+            if getattr(orig, "_pyddp_orig", None) is None:
+                new = wrap(orig)
+                setattr(c10d, fname, new)
+                if getattr(dist, fname, None) is orig:
+                    setattr(dist, fname, new)
+
+
+register()
