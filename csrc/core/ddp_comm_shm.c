@@ -21,6 +21,7 @@
 
 #include "ddp_comm_internal.h"
 #include "ddp_link_shm.h"
+#include "ddp_settings.h"
 
 #define OFFER_MAGIC 0x4f4d4853u /* "SHMO" */
 #define ACK_MAGIC 0x414d4853u   /* "SHMA" */
@@ -45,10 +46,7 @@ typedef struct pending {
     char name[DDP_SHM_NAME_MAX];
 } pending;
 
-static int shm_disabled(void) {
-    const char *v = getenv("PYDDP_SHM_DISABLE");
-    return v != NULL && strcmp(v, "1") == 0;
-}
+static int shm_disabled(void) { return ddp_setting_int("PYDDP_SHM_DISABLE") != 0; }
 
 static int same_host(ddp_comm *c, int r) {
     const char *mine = ddp_comm_host_id(c, c->rank), *theirs = ddp_comm_host_id(c, r);

@@ -26,6 +26,7 @@
  * are published the same way (fields, then `posted` with release).
  */
 #include "ddp_link_shm_int.h"
+#include "ddp_settings.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -44,7 +45,6 @@
 
 #define SHM_SLICE (64u << 10)        /* publish head/tail at least this often */
 #define CMA_PIECE (1u << 20)         /* bytes per process_vm_readv call */
-#define CMA_MIN_DEFAULT (128u << 10) /* smaller sends go through the ring */
 #define LIVENESS_PERIOD_US 1000      /* how often an idle side polls the socket */
 
 typedef struct shm_impl {
@@ -231,9 +231,8 @@ static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done
  * word with process_vm_readv and compare. Off with PYDDP_SHM_CMA=0. */
 static int cma_probe_peer(const shm_hdr *h, int side) {
 #ifdef __linux__
-    const char *v = getenv("PYDDP_SHM_CMA");
     int peer = 1 - side;
-    if ((v && strcmp(v, "0") == 0) || h->pid[peer] <= 0) return 0;
+    if (!ddp_setting_int("PYDDP_SHM_CMA") || h->pid[peer] <= 0) return 0;
     uint64_t got = 0;
     struct iovec lo = {&got, sizeof got};
     struct iovec re = {(void *)(uintptr_t)h->probe[peer], sizeof got};
@@ -390,10 +389,8 @@ static const ddp_link_ops shm_ops = {
 };
 
 static size_t cma_min_bytes(void) {
-    const char *v = getenv("PYDDP_SHM_CMA_MIN");
-    char *end;
-    unsigned long long x = v && *v ? strtoull(v, &end, 10) : 0;
-    return (v && *v && *end == '\0' && x > 0) ? (size_t)x : CMA_MIN_DEFAULT;
+    int64_t v = ddp_setting_int("PYDDP_SHM_CMA_MIN"); /* at least 1 */
+    return (uint64_t)v > SIZE_MAX ? SIZE_MAX : (size_t)v;
 }
 
 ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int peer,

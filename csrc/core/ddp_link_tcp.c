@@ -10,6 +10,7 @@
  * reused under a thread still polling it.
  */
 #include "ddp_link.h"
+#include "ddp_settings.h"
 #include "ddp_sock.h"
 
 #include <fcntl.h>
@@ -27,9 +28,7 @@
  * autotuned ones at 64 MiB (in-flight data falls out of cache), and on real
  * networks autotuning grows buffers to tcp_rmem/tcp_wmem's maximum anyway. */
 static int tcp_buffer_bytes(void) {
-    const char *v = getenv("PYDDP_SOCKET_BUFFER_BYTES");
-    long n = v ? atol(v) : 0;
-    return n > 0 && n < (1L << 30) ? (int)n : 0;
+    return (int)ddp_setting_int("PYDDP_SOCKET_BUFFER_BYTES"); /* bounded to 1 GiB */
 }
 
 typedef struct tcp_link {

@@ -4,6 +4,7 @@
  * (contract in ddp_link_shm.h; layout in ddp_link_shm_int.h).
  */
 #include "ddp_link_shm_int.h"
+#include "ddp_settings.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -24,12 +25,10 @@ static void seg_register(ddp_shm_seg *s, int side) {
     s->hdr->probe[side] = (uint64_t)(uintptr_t)&cma_probe;
 }
 
+/* The setting is bounded to [RING_MIN, RING_MAX] by its declaration; the
+ * ring indexes with a mask, so round up to a power of two. */
 size_t ddp_shm_ring_bytes(void) {
-    const char *v = getenv("PYDDP_SHM_RING_BYTES");
-    if (v == NULL || *v == '\0') return DDP_SHM_RING_DEFAULT;
-    char *end;
-    unsigned long long x = strtoull(v, &end, 10);
-    if (*end != '\0' || x == 0) return DDP_SHM_RING_DEFAULT;
+    const uint64_t x = (uint64_t)ddp_setting_int("PYDDP_SHM_RING_BYTES");
     size_t r = RING_MIN;
     while (r < x && r < RING_MAX) r <<= 1;
     return r;

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "ddp_link_shm.h"
+#include "ddp_settings.h"
 #include "testutil.h"
 
 #define RING (64u << 10)
@@ -305,12 +306,19 @@ static void test_bad_inputs(void) {
     T_STATUS(ddp_shm_seg_create(1000, name, &s), DDP_ERR_INVALID);
     T_STATUS(ddp_shm_seg_open("/pyddp-no-such-segment", &s), DDP_ERR_SYS);
     T_ASSERT(strstr(ddp_last_error(), "/pyddp-no-such-segment") != NULL);
+    /* settings are parsed once: reload after each change */
     setenv("PYDDP_SHM_RING_BYTES", "100000", 1);
+    ddp_settings_reload();
     T_ASSERT(ddp_shm_ring_bytes() == 131072);
     setenv("PYDDP_SHM_RING_BYTES", "junk", 1);
+    ddp_settings_reload();
     T_ASSERT(ddp_shm_ring_bytes() == DDP_SHM_RING_DEFAULT);
+    setenv("PYDDP_SHM_RING_BYTES", "1", 1); /* clamped to the minimum */
+    ddp_settings_reload();
+    T_ASSERT(ddp_shm_ring_bytes() == 64u << 10);
     if (saved) setenv("PYDDP_SHM_RING_BYTES", saved, 1);
     else unsetenv("PYDDP_SHM_RING_BYTES");
+    ddp_settings_reload();
     free(saved);
 }
 
@@ -321,11 +329,13 @@ int main(void) {
     const char *modes[] = {"1", "0"};
     for (int m = 0; m < 2; m++) {
         setenv("PYDDP_SHM_CMA", modes[m], 1);
+        ddp_settings_reload();
         test_stream_sizes();
         test_bidirectional();
         test_mixed_burst();
     }
     unsetenv("PYDDP_SHM_CMA");
+    ddp_settings_reload();
     test_deadline_abort_local_shutdown();
     test_peer_shutdown();
     test_peer_killed();

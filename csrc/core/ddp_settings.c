@@ -1,0 +1,268 @@
+/* ddp_settings.c - the declarations of every PYDDP_* environment setting and
+ * the parse-once accessors the core reads them through (contract and policy
+ * in ddp_settings.h).
+ *
+ * The doc strings are docs/env.md's lines, word for word: the page is
+ * written from this table and tests/c/test_settings.c compares the two, so
+ * a setting added here without its line there (or the other way round)
+ * fails the tests.
+ */
+#include "ddp_settings.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#define KIB ((int64_t)1 << 10)
+#define MIB ((int64_t)1 << 20)
+#define GIB ((int64_t)1 << 30)
+#define CORE DDP_SETTING_CORE
+#define NOMAX INT64_MAX
+
+static const ddp_setting_decl table[] = {
+    {"PYDDP_TIMEOUT", DDP_SETTING_SECONDS, "1800", 1800, 0, NOMAX, 0,
+     "seconds; bounds every wait (store connection, rendezvous, each collective) unless "
+     "`init_process_group(timeout=...)` is given"},
+    {"PYDDP_SOCKET_IFNAME", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "network interface whose address this rank advertises to its peers (e.g. `eth1`). "
+     "Without it pyddp uses the local address that routes to `MASTER_ADDR`, which is right "
+     "on VMs whose host name resolves to 127.0.1.1"},
+    {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "`lo-hi`: the data port each rank listens on is taken from this range (for firewalled "
+     "VMs whose security group opens only a range). Without it, an ephemeral port"},
+    {"PYDDP_SHM_DISABLE", DDP_SETTING_BOOL, NULL, 0, 0, 1, CORE,
+     "`1` forces TCP between ranks on the same host (comparison, debugging)"},
+    {"PYDDP_SHM_RING_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 64 * KIB, 256 * MIB, CORE,
+     "bytes of each direction's ring in a same-host pair's shared-memory segment (power of "
+     "two, 64 KiB to 256 MiB)"},
+    {"PYDDP_SHM_CMA", DDP_SETTING_BOOL, NULL, 1, 0, 1, CORE,
+     "`0` turns off the single-copy path (the receiver copying large sends straight out of "
+     "the sender's memory with `process_vm_readv`); everything then goes through the ring"},
+    {"PYDDP_SHM_CMA_MIN", DDP_SETTING_BYTES, "131072", 128 * KIB, 1, NOMAX, CORE,
+     "sends of at least this many bytes take the single-copy path where it is available"},
+    {"PYDDP_SMALL_BYTES", DDP_SETTING_BYTES, "65536", 64 * KIB, 0, GIB, CORE,
+     "messages up to this size take the latency path (one exchange, no chunking)"},
+    {"PYDDP_CHUNK_BYTES", DDP_SETTING_BYTES, "262144", 256 * KIB, 1, GIB, CORE,
+     "pipeline chunk of the bandwidth path"},
+    {"PYDDP_SOCKET_BUFFER_BYTES", DDP_SETTING_BYTES, NULL, 0, 0, GIB, CORE,
+     "fixed `SO_SNDBUF`/`SO_RCVBUF` for data connections; unset leaves the kernel's buffer "
+     "autotuning on (usually best)"},
+    {"PYDDP_NCCL_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "path of `libnccl.so.2` to load for `backend=\"nccl\"` (see [gpu.md](gpu.md))"},
+    {"PYDDP_CUDART_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
+     "path of the CUDA runtime (`libcudart.so.13`/`.12`) to load for `backend=\"nccl\"`"},
+    {"PYDDP_DDP_GENERIC_PATH", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
+     "`1` makes DistributedDataParallel use its generic bucket path (copies by the array "
+     "library, all-reduce through the process group) instead of the C path, as it does for "
+     "GPU groups"},
+};
+#define NSET (sizeof table / sizeof table[0])
+
+const ddp_setting_decl *ddp_settings_table(size_t *n) {
+    if (n) *n = NSET;
+    return table;
+}
+
+static int index_of(const char *name) {
+    for (size_t i = 0; name && i < NSET; i++)
+        if (strcmp(table[i].name, name) == 0) return (int)i;
+    return -1;
+}
+
+const ddp_setting_decl *ddp_setting_find(const char *name) {
+    int i = index_of(name);
+    return i < 0 ? NULL : &table[i];
+}
+
+/* ---- parsing ------------------------------------------------------------- */
+
+/* text without leading and trailing white space, into buf (0 if too long). */
+static int trimmed(const char *text, char *buf, size_t len) {
+    while (isspace((unsigned char)*text)) text++;
+    size_t n = strlen(text);
+    while (n > 0 && isspace((unsigned char)text[n - 1])) n--;
+    if (n >= len) return 0;
+    memcpy(buf, text, n);
+    buf[n] = '\0';
+    return 1;
+}
+
+/* Clamp v to [lo, hi]: 1 if inside, 2 if clamped. */
+static int clamp(int64_t v, int64_t lo, int64_t hi, int64_t *out) {
+    *out = v < lo ? lo : v > hi ? hi : v;
+    return *out == v ? 1 : 2;
+}
+
+static int parse_bytes(const ddp_setting_decl *d, const char *s, int64_t *out) {
+    if (!isdigit((unsigned char)s[0])) return 0; /* no sign, no empty */
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    int too_big = errno == ERANGE;
+    unsigned long long mult = 1;
+    switch (*end) {
+    case 'k': case 'K': mult = (unsigned long long)KIB, end++; break;
+    case 'm': case 'M': mult = (unsigned long long)MIB, end++; break;
+    case 'g': case 'G': mult = (unsigned long long)GIB, end++; break;
+    default: break;
+    }
+    if (*end != '\0') return 0;
+    if (too_big || v > (unsigned long long)INT64_MAX / mult) { /* valid, but huge */
+        *out = d->max;
+        return 2;
+    }
+    return clamp((int64_t)(v * mult), d->min, d->max, out);
+}
+
+static int parse_int(const ddp_setting_decl *d, const char *s, int64_t *out) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end != '\0') return 0;
+    if (errno == ERANGE) {
+        *out = v < 0 ? d->min : d->max;
+        return 2;
+    }
+    return clamp((int64_t)v, d->min, d->max, out);
+}
+
+static int parse_bool(const char *s, int64_t *out) {
+    static const char *const yes[] = {"1", "true", "yes", "on"}, *const no[] = {"0", "false",
+                                                                               "no", "off"};
+    for (int i = 0; i < 4; i++) {
+        if (strcasecmp(s, yes[i]) == 0) return (*out = 1), 1;
+        if (strcasecmp(s, no[i]) == 0) return (*out = 0), 1;
+    }
+    return 0;
+}
+
+static int parse_seconds(const ddp_setting_decl *d, const char *s, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || *end != '\0' || !isfinite(v) || v <= 0) return 0;
+    *out = v < (double)d->min ? (double)d->min : v > (double)d->max ? (double)d->max : v;
+    return *out == v ? 1 : 2;
+}
+
+int ddp_setting_parse(const ddp_setting_decl *d, const char *text, int64_t *out, double *secs) {
+    char s[128];
+    int64_t iv = 0;
+    double dv = 0;
+    int r = 0;
+    if (!d || !text || !trimmed(text, s, sizeof s) || !s[0]) return 0;
+    switch (d->kind) {
+    case DDP_SETTING_INT: r = parse_int(d, s, &iv); break;
+    case DDP_SETTING_BYTES: r = parse_bytes(d, s, &iv); break;
+    case DDP_SETTING_BOOL: r = parse_bool(s, &iv); break;
+    case DDP_SETTING_SECONDS: r = parse_seconds(d, s, &dv); break;
+    case DDP_SETTING_STRING: return 0;
+    }
+    if (r && out) *out = iv;
+    if (r && secs) *secs = dv;
+    return r;
+}
+
+/* ---- the cache --------------------------------------------------------- */
+
+typedef struct cached {
+    int done;
+    int64_t i;
+    double secs;
+    char *str;
+} cached;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static cached cache[NSET];
+
+static const char *kind_words(ddp_setting_kind k) {
+    switch (k) {
+    case DDP_SETTING_INT: return "an integer";
+    case DDP_SETTING_BYTES: return "a number of bytes (digits, optionally followed by K, M or G)";
+    case DDP_SETTING_BOOL: return "a boolean (1/0, true/false, yes/no, on/off)";
+    case DDP_SETTING_SECONDS: return "a positive number of seconds";
+    default: return "text";
+    }
+}
+
+/* Parse table[i] from the environment into c, warning once about a bad or
+ * clamped value. Called with mu held. */
+static void load(size_t i, cached *c) {
+    const ddp_setting_decl *d = &table[i];
+    const char *v = getenv(d->name);
+    c->done = 1;
+    c->i = d->dflt;
+    c->secs = d->kind == DDP_SETTING_SECONDS && d->dflt_text ? strtod(d->dflt_text, NULL) : 0;
+    if (d->kind == DDP_SETTING_STRING) {
+        const char *s = v && *v ? v : d->dflt_text;
+        c->str = s ? strdup(s) : NULL;
+        return;
+    }
+    if (v == NULL || *v == '\0') return;
+    int64_t iv;
+    double sv;
+    int r = ddp_setting_parse(d, v, &iv, &sv);
+    if (r == 0) {
+        fprintf(stderr, "pyddp: warning: ignoring %s='%.100s': not %s; using the default %s\n",
+                d->name, v, kind_words(d->kind), d->dflt_text ? d->dflt_text : "(unset)");
+        return;
+    }
+    c->i = iv;
+    c->secs = sv;
+    if (r == 2) {
+        if (d->kind == DDP_SETTING_SECONDS)
+            fprintf(stderr, "pyddp: warning: %s='%.100s' is outside its range %lld..%lld; "
+                    "using %g\n", d->name, v, (long long)d->min, (long long)d->max, sv);
+        else
+            fprintf(stderr, "pyddp: warning: %s='%.100s' is outside its range %lld..%lld; "
+                    "using %lld\n", d->name, v, (long long)d->min, (long long)d->max,
+                    (long long)iv);
+    }
+}
+
+/* The cached value of `name` if it is declared with one of the kinds in
+ * `kinds` (a bit mask of 1 << kind); NULL (and one line on stderr) if not. */
+static const cached *lookup(const char *name, unsigned kinds, cached *copy) {
+    int i = index_of(name);
+    if (i < 0 || !((1u << table[i].kind) & kinds)) {
+        fprintf(stderr, "pyddp: internal error: no %s setting named %s\n",
+                kinds == (1u << DDP_SETTING_STRING) ? "string" : "numeric",
+                name ? name : "(null)");
+        return NULL;
+    }
+    pthread_mutex_lock(&mu);
+    if (!cache[i].done) load((size_t)i, &cache[i]);
+    *copy = cache[i];
+    pthread_mutex_unlock(&mu);
+    return copy;
+}
+
+int64_t ddp_setting_int(const char *name) {
+    cached c;
+    const unsigned kinds = 1u << DDP_SETTING_INT | 1u << DDP_SETTING_BYTES |
+                           1u << DDP_SETTING_BOOL;
+    return lookup(name, kinds, &c) ? c.i : 0;
+}
+
+double ddp_setting_seconds(const char *name) {
+    cached c;
+    return lookup(name, 1u << DDP_SETTING_SECONDS, &c) ? c.secs : 0;
+}
+
+const char *ddp_setting_str(const char *name) {
+    cached c;
+    return lookup(name, 1u << DDP_SETTING_STRING, &c) ? c.str : NULL;
+}
+
+void ddp_settings_reload(void) {
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < NSET; i++) {
+        free(cache[i].str);
+        cache[i] = (cached){0};
+    }
+    pthread_mutex_unlock(&mu);
+}
