@@ -25,6 +25,7 @@ one-time rebuild of buckets in the order gradients arrived on rank 0.
 import numpy as np
 
 from . import _C
+from ._nccl_backend import caller_stream
 from . import _arrays as A
 
 FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
@@ -196,8 +197,9 @@ class GenericPath(BucketEngine):
         first, count = self._c.mark_ready(i)
         if self._world > 1:
             for b in range(first, first + count):
-                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, A.for_core(self.buckets[b]),
-                                                   None, _C.OP_AVG, 0, self._timeout_ms))
+                x = A.for_core(self.buckets[b])
+                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, x, None, _C.OP_AVG, 0,
+                                                   self._timeout_ms, caller_stream(x)))
 
     def finish(self, track_used):
         try:
@@ -207,7 +209,8 @@ class GenericPath(BucketEngine):
                 if self._world > 1:     # after the buckets, like the C path
                     flags = int_array_like(A.for_core(self._params[0]), used, np.int32)
                     self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, flags, None,
-                                                       _C.OP_SUM, 0, self._timeout_ms))
+                                                       _C.OP_SUM, 0, self._timeout_ms,
+                                                       caller_stream(flags)))
             works, self._works = self._works, []
             wait_all(works)
             if track_used and self._world > 1:
@@ -390,7 +393,11 @@ class GradSync:
                 self.set_grad(i, view if self.view_mode else self._clone(view))
 
     def _fail(self, msg, cause=None):
+        """This rank cannot go on: break the process group first, so that peers waiting
+        in this iteration's all-reduces fail at once instead of at the timeout."""
         self.broken = msg
+        if self.world > 1:
+            self._pg.abort(msg)
         if self.engine.in_iteration:
             self.engine.drain()
         raise _C.DistError(msg) from cause
@@ -414,7 +421,8 @@ class GradSync:
             return False
         order = int_array_like(A.for_core(self.params[0]), self._order_seen, np.int64)
         if self.world > 1:
-            self._pg.submit(_C.COLL_BROADCAST, order, None, 0, 0, self._timeout_ms).wait()
+            self._pg.submit(_C.COLL_BROADCAST, order, None, 0, 0, self._timeout_ms,
+                            caller_stream(order)).wait()
         engine = make_engine(self.params, self._pg, self.world, self._cap, self._generic,
                              self._timeout_ms, order=order.tolist())
         self.engine = engine

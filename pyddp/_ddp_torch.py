@@ -23,8 +23,7 @@ import torch
 
 from . import _C
 from ._ddp_reducer import GradSync
-from ._group import default_pg, default_timeout_ms, get_rank, get_world_size
-from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
+from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes, ddp_group,
                   sync_initial_state, use_generic_path)
 
 
@@ -53,9 +52,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                  bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
                  gradient_as_bucket_view=False, static_graph=False, _generic_path=None):
         torch.nn.Module.__init__(self)
-        if process_group is not None:
-            raise _C.DistValueError("pyddp's DDP supports only the default process group "
-                                    "(process_group=None)")
+        g, pg, tmo = ddp_group(process_group)
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -72,8 +69,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._module_buffers = [b for n, b in module.named_buffers() if n not in ignore]
-        pg = default_pg()
-        self._pg, self._timeout_ms = pg, default_timeout_ms()
+        self._group, self._pg, self._timeout_ms = g, pg, tmo
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
         self._params = params
@@ -83,11 +79,11 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                 if broadcast_buffers:
                     states += [(n, b.detach()) for n, b in module.named_buffers()
                                if n not in ignore]
-                sync_initial_state([n for n, _ in states], [t for _, t in states], pg,
+                sync_initial_state([n for n, _ in states], [t for _, t in states], g, pg,
                                    self._timeout_ms)
             self._sync = GradSync(
                 [p.detach() for p in params], names, self._get_grad, self._set_grad, pg=pg,
-                rank=get_rank(), world_size=get_world_size(),
+                rank=g.rank, world_size=g.size,
                 bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
                 find_unused=find_unused_parameters, static_graph=static_graph,
                 view_mode=gradient_as_bucket_view,
@@ -134,7 +130,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
             sync.check_prior()
             sync.maybe_rebuild()
         if (self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers
-                and get_world_size() > 1):
+                and self._group.size > 1):
             with torch.no_grad():
                 broadcast_coalesced([b.detach() for b in self._module_buffers], self._pg,
                                     self._timeout_ms)

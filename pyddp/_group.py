@@ -1,5 +1,12 @@
-"""The default process group: init_process_group, destroy_process_group and the
-queries about it (rank, world size, backend).
+"""Process groups: init_process_group, new_group, destroy_process_group and the
+queries about them (rank, world size, backend).
+
+A :class:`Group` wraps one ``_C.ProcessGroup``, which carries the CPU transport and,
+for GPU arrays, an NCCL communicator created on first use (or at init for
+``backend="nccl"``). Subgroups from :func:`new_group` run on the links of the group
+they are made from (no second rendezvous): creating one is member-only and needs no
+communication, and their collectives carry their own group tag, so a rank that calls
+a collective on a different group than its peers gets a mismatch error, not a hang.
 
 init_process_group resolves the rendezvous (``_env``), connects to or hosts the store,
 then builds the backend's process group through the C core, which publishes this rank's
@@ -25,14 +32,16 @@ _BACKENDS = ("cpu", "gloo", "nccl")
 
 
 class _State:
-    pg = None              # the backend's process group (_C.ProcessGroup or NCCL group)
+    pg = None              # the default Group
     backend = None         # "cpu" or "nccl"
+    groups_made = 0        # new_group() calls since init: every rank counts the same
     store = None           # TCPStore
     rank = -1
     world_size = -1
     timeout_s = None
     generation = 0         # inits so far in this process: part of the key prefix
     file_path = None       # file:// rendezvous file that rank 0 wrote
+    device_id = None       # init_process_group(device_id=...)
     prefix = None
     own_store = False      # the store client was made by init_process_group
     # Stores this process hosts, by (method, port or path). They live as long as the
@@ -46,13 +55,99 @@ class WORLD:
     """Stand-in for torch's ``group.WORLD``: the default group."""
 
 
+class Group:
+    """A process group: its member ranks (``ranks``, global ranks in increasing order),
+    this process's rank in it (``rank``; -1 on a rank that is not a member) and its
+    ``size``. Pass it as ``group=`` to any collective. Made by :func:`new_group` (or,
+    for torch's backend, by :func:`create_world` and :meth:`subgroup`)."""
+
+    def __init__(self, pg, ranks, backend, store, prefix, timeout_s, world_rank):
+        self._pg = pg                      # _C.ProcessGroup, None off the group
+        self.ranks = list(ranks)
+        self.backend = backend             # "cpu", "nccl", or None (NCCL on first GPU use)
+        self._store = store
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self._world_rank = world_rank
+        self._made = 0                     # subgroups made from this group
+        self._mb = 0                       # monitored barriers run on it
+        self._index = {r: i for i, r in enumerate(self.ranks)}
+        if pg is not None and backend != "cpu":
+            pg.set_cuda_factory(self._attach_nccl)
+
+    rank = property(lambda self: self._index.get(self._world_rank, -1))
+    size = property(lambda self: len(self.ranks))
+    is_member = property(lambda self: self._pg is not None)
+
+    def __repr__(self):
+        return f"<pyddp group of ranks {self.ranks}, rank {self.rank}, backend {self.backend}>"
+
+    def group_rank(self, global_rank, what="rank"):
+        """The rank in this group of a global rank (a clear error if it is not a member)."""
+        i = self._index.get(global_rank)
+        if i is None:
+            raise _C.DistValueError(f"{what}={global_rank} is not a member of this group "
+                                    f"(ranks {self.ranks})")
+        return i
+
+    def pg(self, op="this collective"):
+        """The _C.ProcessGroup of this group (raises off the group or after destroy)."""
+        if self._pg is None:
+            raise _C.DistValueError(f"rank {self._world_rank} called {op} on a group it is not "
+                                    f"a member of (ranks {self.ranks})")
+        return self._pg
+
+    def _attach_nccl(self):
+        """The CUDA factory: set up NCCL for this group on its first GPU array. Every
+        member reaches it at the same collective, so the set-up is collective too."""
+        from . import _nccl_backend
+        _nccl_backend.require()
+        dev = _nccl_backend._device_index(_State.device_id if self is _State.pg else None)
+        self._pg.attach_nccl(self._store._client, f"{self._prefix}/nccl", dev,
+                             int(self._timeout_s * 1000), __version__)
+
+    def subgroup(self, ranks, name, backend=None, timeout_s=None):
+        """A subgroup of this group's global ranks ``ranks``: member-only (only the
+        members call it, all with the same name) and without communication."""
+        ranks = sorted(int(r) for r in ranks)
+        if len(set(ranks)) != len(ranks):
+            raise _C.DistValueError(f"new_group: ranks {ranks} has duplicates")
+        idx = [self.group_rank(r, "ranks entry") for r in ranks]
+        prefix = f"{self._prefix}/g/{name}"
+        tag = _C.hash_tag(prefix) if hasattr(_C, "hash_tag") else _fnv(prefix)
+        sub = self.pg("new_group").subgroup(idx, tag)
+        return Group(sub, ranks, self.backend if backend is None else backend, self._store,
+                     prefix, self._timeout_s if timeout_s is None else timeout_s,
+                     self._world_rank)
+
+    def _destroy(self):
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            pg.destroy()
+
+
+def _fnv(s):
+    h = 1469598103934665603
+    for c in s.encode():
+        h = ((h ^ c) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
 group = type("group", (), {"WORLD": WORLD})
 
 
+def _resolve(g):
+    """The Group for a group= argument (None or WORLD: the default group)."""
+    if g is None or g is WORLD:
+        return _require()
+    if isinstance(g, Group):
+        return g
+    raise _C.DistTypeError(f"group must be a pyddp group from new_group(), None or "
+                           f"group.WORLD, not {type(g).__name__}")
+
+
 def _check_group(g):
-    if g is not None and g is not WORLD:
-        raise _C.DistValueError("pyddp supports only the default group (group=None); "
-                                "new_group() is not implemented")
+    _resolve(g)
 
 
 def _require():
@@ -72,21 +167,88 @@ def is_initialized() -> bool:
 
 
 def get_rank(group=None) -> int:
-    _check_group(group)
-    _require()
-    return _State.rank
+    """This process's rank in group (the default group: its global rank); -1 on a rank
+    that is not a member of group, as in torch."""
+    return _resolve(group).rank
 
 
 def get_world_size(group=None) -> int:
-    _check_group(group)
-    _require()
-    return _State.world_size
+    return _resolve(group).size
 
 
 def get_backend(group=None) -> str:
-    _check_group(group)
-    _require()
-    return _State.backend
+    g = _resolve(group)
+    return _State.backend if g.backend is None else g.backend
+
+
+def get_process_group_ranks(group):
+    """The global ranks of group's members, in group-rank order."""
+    return list(_resolve(group).ranks)
+
+
+def get_global_rank(group, group_rank):
+    g = _resolve(group)
+    if not 0 <= group_rank < g.size:
+        raise _C.DistValueError(f"group rank {group_rank} is out of range for a group of "
+                                f"{g.size}")
+    return g.ranks[group_rank]
+
+
+def get_group_rank(group, global_rank):
+    return _resolve(group).group_rank(global_rank)
+
+
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
+              use_local_synchronization=False, group_desc=None, device_id=None):
+    """A group of the global ranks ``ranks`` (default: all), as torch's new_group: every
+    rank calls it for every group, in the same order, also ranks that are not members
+    (they get a handle whose rank is -1 and on which collectives raise). It runs on the
+    default group's connections, so making one costs no communication. timeout: the
+    default deadline of its collectives (default: the default group's). backend: "cpu"
+    ("gloo") or "nccl"/None (GPU arrays use NCCL, set up for this group on first use)."""
+    world = _require()
+    n = _State.groups_made
+    _State.groups_made += 1
+    if ranks is None:
+        ranks = list(range(world.size))
+    ranks = sorted(int(r) for r in ranks)
+    for r in ranks:
+        if not 0 <= r < world.size:
+            raise _C.DistValueError(f"new_group: rank {r} is out of range for world size "
+                                    f"{world.size}")
+    be = None if backend is None else _pick_backend(backend, check=False)
+    timeout_s = _env.timeout_seconds(timeout) if timeout is not None else world._timeout_s
+    if world.rank not in ranks:
+        return Group(None, ranks, be or world.backend, world._store, None, timeout_s,
+                     world.rank)
+    return world.subgroup(ranks, str(n), be, timeout_s)
+
+
+def create_world(store, rank, world_size, timeout_s, name, backend=None):
+    """A standalone world group over store (a pyddp TCPStore), not the default group:
+    collective over its world_size ranks, keys under
+    ``/pyddp/<run id>/<restart count>/torch/<name>``. For torch's "pyddp" backend."""
+    be = None if backend is None else _pick_backend(backend)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
+    return _make_group(store, rank, world_size, prefix, timeout_s, be, None)
+
+
+def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr):
+    """Rendezvous a world Group (collective); backend "nccl" attaches NCCL at once."""
+    lo, hi = _env.port_range()
+    advertise = _env.advertise_address(master_addr)
+    pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
+                         int(timeout_s * 1000), __version__, _env.host_identity())
+    g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+    if backend == "nccl":
+        try:
+            g._attach_nccl()
+        except BaseException:
+            g._destroy()
+            raise
+    return g
 
 
 def get_local_rank() -> int:
@@ -221,32 +383,45 @@ def _linger_after_failure(store, prefix, world_size, timeout_s):
         pass
 
 
-def _pick_backend(backend):
+def _pick_backend(backend, check=True):
+    """"cpu", "nccl", or None (CPU transport, NCCL on first GPU use where usable)."""
     if backend is None:
-        from . import _nccl_backend
-        if _nccl_backend.usable():
-            return "nccl"
-        log.debug("pyddp: backend=None: no usable GPU/NCCL (%s); using the CPU backend",
-                  _nccl_backend.why_unusable())
-        return "cpu"
+        return None
     if not isinstance(backend, str):
         backend = str(backend)
     b = backend.lower()
+    if ":" in b or "," in b:     # torch's "cpu:gloo,cuda:nccl" form
+        devs = dict(part.split(":", 1) for part in b.split(",") if ":" in part)
+        b = "nccl" if devs.get("cuda") == "nccl" else "cpu"
+        return b if b == "cpu" else None
     if b not in _BACKENDS:
         raise _C.DistValueError(f"backend={backend!r} is not supported; use 'cpu' (alias "
                                 f"'gloo'), 'nccl', or None to pick automatically")
-    if b == "nccl":
+    if b == "nccl" and check:
         from . import _nccl_backend
         _nccl_backend.require()   # fail at once, before any rendezvous
     return "cpu" if b == "gloo" else b
+
+
+def _auto_backend_name():
+    """get_backend()'s answer for backend=None: "nccl" where GPU arrays will go to
+    NCCL, else "cpu"."""
+    from . import _nccl_backend
+    if _nccl_backend.usable():
+        return "nccl"
+    log.debug("pyddp: backend=None: no usable GPU/NCCL (%s); GPU arrays cannot be used",
+              _nccl_backend.why_unusable())
+    return "cpu"
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
                        store=None, group_name="", pg_options=None, device_id=None):
     """Initialize the default process group (torch.distributed's signature).
 
-    backend: "cpu" (pyddp's TCP/shared-memory transport; "gloo" is an alias), "nccl",
-    or None (nccl when a GPU and NCCL are usable, else cpu). init_method: "env://"
+    backend: "cpu" (pyddp's TCP/shared-memory transport; "gloo" is an alias; GPU arrays
+    are refused), "nccl" (NCCL set up at init, for GPU arrays; host arrays still use the
+    CPU transport), or None (like "cpu:gloo,cuda:nccl": host arrays on the CPU
+    transport, GPU arrays on NCCL, set up on first use). init_method: "env://"
     (default, torchrun's variables), "tcp://host:port" or "file:///path". store: a
     pyddp.TCPStore to rendezvous through instead (then rank and world_size are
     required). timeout: a timedelta bounding every wait (default PYDDP_TIMEOUT or 30 min).
@@ -269,7 +444,6 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     else:
         rdzv = _env.resolve(init_method, rank, world_size)
-    lo, hi = _env.port_range()
     _State.rank = rdzv.rank
     own_store = store is None
     if own_store:
@@ -279,15 +453,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     prefix = f"/pyddp/{rdzv.run_id}/{rdzv.restart_count}/{_State.generation}"
     _State.generation += 1   # per attempt: every rank makes the same attempts
     try:
-        advertise = _env.advertise_address(rdzv.master_addr if rdzv.master_addr else None)
-        if be == "nccl":
-            from . import _nccl_backend
-            pg = _nccl_backend.create(store, rdzv.rank, rdzv.world_size, prefix, timeout_s,
-                                      device_id)
-        else:
-            pg = _C.ProcessGroup(store._client, rdzv.rank, rdzv.world_size, prefix, advertise,
-                                 "", lo, hi, int(timeout_s * 1000), __version__,
-                                 _env.host_identity())
+        _State.device_id = device_id
+        pg = _make_group(store, rdzv.rank, rdzv.world_size, prefix, timeout_s, be,
+                         rdzv.master_addr or None)
     except BaseException as e:
         _State.rank = -1
         if not isinstance(e, KeyboardInterrupt):
@@ -295,22 +463,27 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         if own_store and not _is_hosted(store):
             store.close()
         raise
-    _State.pg, _State.backend, _State.store = pg, be, store
+    _State.pg, _State.store = pg, store
+    _State.backend = be or _auto_backend_name()
+    _State.groups_made = 0
     _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
     _State.own_store = own_store
     log.debug("pyddp: rank %d/%d initialized (%s backend, prefix %s)", rdzv.rank,
-              rdzv.world_size, be, prefix)
+              rdzv.world_size, _State.backend, prefix)
 
 
 def destroy_process_group(group=None):
-    """Tear down the default group; init_process_group may be called again afterwards."""
-    _check_group(group)
+    """Tear down group (default: the default group, and with it every subgroup's
+    connections); init_process_group may be called again afterwards."""
+    if group is not None and group is not WORLD:
+        _resolve(group)._destroy()
+        return
     pg, store = _State.pg, _State.store
     if pg is None:
         return
     _State.pg = None
     try:
-        pg.destroy()
+        pg._destroy()
     finally:
         if store is not None and _State.own_store and not _is_hosted(store):
             store.close()
@@ -326,9 +499,13 @@ def destroy_process_group(group=None):
 
 
 def default_pg():
-    """The backend process group of the default group (raises if not initialized)."""
-    return _require()
+    """The _C.ProcessGroup of the default group (raises if not initialized)."""
+    return _require().pg()
 
 
 def default_timeout_ms():
     return int(_State.timeout_s * 1000)
+
+
+def timeout_ms(g):
+    return int(g._timeout_s * 1000)

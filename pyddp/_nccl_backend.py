@@ -1,5 +1,7 @@
-"""The NCCL backend: finding libnccl and the CUDA runtime, choosing this process's GPU,
-and the process group behind ``init_process_group(backend="nccl")``.
+"""The NCCL side of pyddp: finding libnccl and the CUDA runtime, choosing this process's
+GPU, and finding the caller's CUDA stream. A group's NCCL communicator itself is set up
+by pyddp._group (through ``_C.ProcessGroup.attach_nccl``) and driven by the same
+``_C.ProcessGroup`` as the CPU transport.
 
 pyddp is built without CUDA or NCCL; both are loaded with dlopen the first time they are
 needed. This module builds the list of places to look, in order:
@@ -246,40 +248,3 @@ def caller_stream(x):
     cai = getattr(x, "__cuda_array_interface__", None)
     s = cai.get("stream") if isinstance(cai, dict) else None
     return s if isinstance(s, int) and not isinstance(s, bool) else None
-
-
-class NcclGroup:
-    """The process group of backend="nccl": ``submit`` as ``_C.ProcessGroup``'s (kinds,
-    arrays and ops per ``_C.COLL_*``/``_C.OP_*``), with the caller's CUDA stream found
-    from the arrays so that the collective runs after their producer and its result is
-    visible on that stream once ``wait()`` returns."""
-
-    backend = "nccl"
-
-    def __init__(self, pg):
-        self._pg = pg
-
-    rank = property(lambda self: self._pg.rank)
-    size = property(lambda self: self._pg.size)
-    device = property(lambda self: self._pg.device)
-
-    def submit(self, kind, a=None, b=None, op=0, root=0, timeout_ms=-1):
-        stream = caller_stream(a if a is not None else b)
-        return self._pg.submit(kind, a, b, op, root, timeout_ms, stream)
-
-    def abort(self, reason="abort() called"):
-        self._pg.abort(reason)
-
-    def destroy(self):
-        self._pg.destroy()
-
-
-def create(store, rank, world_size, prefix, timeout_s, device_id):
-    """The NCCL process group of this rank (collective: every rank calls it with the same
-    prefix). The NCCL unique id travels through store under prefix; the device comes
-    from device_id, else from LOCAL_RANK."""
-    require()
-    dev = _device_index(device_id)
-    pg = _C.NcclProcessGroup(store._client, rank, world_size, prefix, dev,
-                             int(timeout_s * 1000), __version__)
-    return NcclGroup(pg)

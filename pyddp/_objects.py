@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _C
 from .collectives import all_gather_into_tensor, broadcast, gather, scatter
-from ._group import _check_group, get_rank, get_world_size
+from ._group import _resolve
 
 
 def _dump(obj):
@@ -24,31 +24,33 @@ def _load(buf):
 
 def broadcast_object_list(object_list, src=0, group=None, device=None):
     """Replace object_list's entries on every rank with src's (same length everywhere)."""
-    _check_group(group)
+    g = _resolve(group)
     if not isinstance(object_list, list):
         raise _C.DistTypeError("object_list must be a list")
+    g.pg("broadcast_object_list")
+    me = g.ranks[g.rank]
     n = len(object_list)
     sizes = np.zeros(n, dtype=np.int64)
-    if get_rank() == src:
+    if me == src:
         blobs = [_dump(o) for o in object_list]
         sizes[:] = [len(b) for b in blobs]
-    broadcast(sizes, src)
-    payload = np.concatenate(blobs) if get_rank() == src and n else \
+    broadcast(sizes, src, group)
+    payload = np.concatenate(blobs) if me == src and n else \
         np.empty(int(sizes.sum()), dtype=np.uint8)
-    broadcast(payload, src)
-    if get_rank() != src:
+    broadcast(payload, src, group)
+    if me != src:
         off = 0
         for i in range(n):
             object_list[i] = _load(payload[off:off + sizes[i]])
             off += int(sizes[i])
 
 
-def _gather_blobs(obj):
+def _gather_blobs(obj, group):
     """Every rank's pickled obj, padded to the longest: (matrix [ws, max], sizes)."""
-    ws = get_world_size()
+    ws = _resolve(group).size
     blob = _dump(obj)
     sizes = np.zeros(ws, dtype=np.int64)
-    all_gather_into_tensor(sizes, np.array([len(blob)], dtype=np.int64))
+    all_gather_into_tensor(sizes, np.array([len(blob)], dtype=np.int64), group)
     mx = int(sizes.max())
     padded = np.zeros(mx, dtype=np.uint8)
     padded[:len(blob)] = blob
@@ -57,28 +59,30 @@ def _gather_blobs(obj):
 
 def all_gather_object(object_list, obj, group=None):
     """object_list[r] = rank r's obj, on every rank (object_list has world_size entries)."""
-    _check_group(group)
-    ws = get_world_size()
+    g = _resolve(group)
+    g.pg("all_gather_object")
+    ws = g.size
     if not isinstance(object_list, list) or len(object_list) != ws:
         raise _C.DistValueError(f"object_list must be a list of world_size={ws} entries")
-    padded, sizes, mx = _gather_blobs(obj)
+    padded, sizes, mx = _gather_blobs(obj, group)
     out = np.empty(ws * mx, dtype=np.uint8)
-    all_gather_into_tensor(out, padded)
+    all_gather_into_tensor(out, padded, group)
     for r in range(ws):
         object_list[r] = _load(out[r * mx:r * mx + sizes[r]])
 
 
 def gather_object(obj, object_gather_list=None, dst=0, group=None):
     """At dst, object_gather_list[r] = rank r's obj; None elsewhere."""
-    _check_group(group)
-    ws = get_world_size()
-    me = get_rank()
+    g = _resolve(group)
+    g.pg("gather_object")
+    ws = g.size
+    me = g.ranks[g.rank]
     if me == dst and (not isinstance(object_gather_list, list) or len(object_gather_list) != ws):
         raise _C.DistValueError(f"object_gather_list must be a list of world_size={ws} "
                                 f"entries on the destination rank")
-    padded, sizes, mx = _gather_blobs(obj)
+    padded, sizes, mx = _gather_blobs(obj, group)
     rows = [np.empty(mx, dtype=np.uint8) for _ in range(ws)] if me == dst else None
-    gather(padded, rows, dst)
+    gather(padded, rows, dst, group)
     if me == dst:
         for r in range(ws):
             object_gather_list[r] = _load(rows[r][:sizes[r]])
@@ -87,9 +91,10 @@ def gather_object(obj, object_gather_list=None, dst=0, group=None):
 def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=0,
                         group=None):
     """scatter_object_output_list[0] = src's scatter_object_input_list[rank]."""
-    _check_group(group)
-    ws = get_world_size()
-    me = get_rank()
+    g = _resolve(group)
+    g.pg("scatter_object_list")
+    ws = g.size
+    me = g.ranks[g.rank]
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise _C.DistValueError("scatter_object_output_list must be a non-empty list")
     sizes = np.zeros(ws, dtype=np.int64)
@@ -100,7 +105,7 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
                                     f"entries on the source rank")
         blobs = [_dump(o) for o in scatter_object_input_list]
         sizes[:] = [len(b) for b in blobs]
-    broadcast(sizes, src)
+    broadcast(sizes, src, group)
     mx = int(sizes.max())
     rows = None
     if me == src:
@@ -110,5 +115,5 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
             row[:len(b)] = b
             rows.append(row)
     out = np.empty(mx, dtype=np.uint8)
-    scatter(out, rows, src)
-    scatter_object_output_list[0] = _load(out[:sizes[me]])
+    scatter(out, rows, src, group)
+    scatter_object_output_list[0] = _load(out[:sizes[g.rank]])

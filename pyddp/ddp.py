@@ -17,9 +17,10 @@ import contextlib
 import os
 
 from . import _C
+from ._nccl_backend import caller_stream
 from . import _arrays as A
 from ._ddp_reducer import GradSync
-from ._group import default_pg, default_timeout_ms, get_rank, get_world_size
+from ._group import _resolve, timeout_ms
 from ._objects import all_gather_object
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
@@ -74,38 +75,43 @@ class DistributedDataParallel:
 # -- shared construction steps ------------------------------------------------------------
 
 def use_generic_path(pg, arrays, forced):
-    """The C data path serves host memory on pyddp's own CPU process group; everything
-    else (GPU arrays, other backends) takes the generic path. forced=None reads
-    PYDDP_DDP_GENERIC_PATH."""
+    """The C data path serves host memory (the CPU transport); everything else (GPU
+    arrays) takes the generic path. forced=None reads PYDDP_DDP_GENERIC_PATH."""
     if forced is None:
         forced = os.environ.get("PYDDP_DDP_GENERIC_PATH", "") not in ("", "0")
     if forced:
-        return True
-    if not isinstance(pg, _C.ProcessGroup):
         return True
     return any(A._lib(a) not in ("torch", "numpy") or getattr(a, "is_cuda", False)
                for a in arrays)
 
 
-def sync_initial_state(names, arrays, pg, timeout_ms):
-    """Construction: check that every rank holds the same state, then overwrite it with
-    rank 0's (names/arrays: parameters, then the buffers that are broadcast)."""
-    verify_across_ranks(names, arrays)
-    if get_world_size() > 1:
+def ddp_group(process_group):
+    """(Group, _C.ProcessGroup, timeout in ms) for DDP's process_group= argument."""
+    g = _resolve(process_group)
+    return g, g.pg("DistributedDataParallel"), timeout_ms(g)
+
+
+def sync_initial_state(names, arrays, g, pg, timeout_ms):
+    """Construction: check that every rank of group g holds the same state, then
+    overwrite it with group rank 0's (names/arrays: parameters, then the buffers that
+    are broadcast)."""
+    verify_across_ranks(names, arrays, g)
+    if g.size > 1:
         broadcast_coalesced(arrays, pg, timeout_ms)
 
 
-def verify_across_ranks(names, arrays):
+def verify_across_ranks(names, arrays, g=None):
     """Every rank must hold the same parameters and buffers (names, shapes, dtypes,
     count); raise the same DistValueError on every rank, naming the first difference
     and the ranks. One object all-gather; nothing is sent when world size is 1."""
     mine = [(n, tuple(int(d) for d in a.shape), str(a.dtype).rsplit(".", 1)[-1])
             for n, a in zip(names, arrays)]
-    world = get_world_size()
+    g = _resolve(g)
+    world = g.size
     if world == 1:
         return
     everyone = [None] * world
-    all_gather_object(everyone, mine)
+    all_gather_object(everyone, mine, group=g)
     ref = everyone[0]
     for r in range(1, world):
         other = everyone[r]
@@ -151,7 +157,7 @@ def _broadcast_chunk(chunk, pg, timeout_ms):
         n = A.numel(a)
         A.copy_into(flat[off:off + n], A.for_core(a))
         off += n
-    pg.submit(_C.COLL_BROADCAST, flat, None, 0, 0, timeout_ms).wait()
+    pg.submit(_C.COLL_BROADCAST, flat, None, 0, 0, timeout_ms, caller_stream(flat)).wait()
     off = 0
     for a in chunk:
         n = A.numel(a)
@@ -228,9 +234,7 @@ class ArrayDDP(DistributedDataParallel):
                  broadcast_buffers=True, init_sync=True, process_group=None,
                  bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
                  gradient_as_bucket_view=False, static_graph=False, _generic_path=None):
-        if process_group is not None:
-            raise _C.DistValueError("pyddp's DDP supports only the default process group "
-                                    "(process_group=None)")
+        g, pg, tmo = ddp_group(process_group)
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
@@ -240,16 +244,15 @@ class ArrayDDP(DistributedDataParallel):
         if gradient_as_bucket_view and any(isinstance(p, _PairParam) for p in self._params):
             raise _C.DistValueError("gradient_as_bucket_view=True needs parameter objects whose "
                                     ".grad can be replaced, not (data, grad) pairs")
-        pg = default_pg()
-        self._pg, self._timeout_ms = pg, default_timeout_ms()
+        self._group, self._pg, self._timeout_ms = g, pg, tmo
         self._buffers = self._find_buffers(module)
         if init_sync:
             bufs = self._buffers if broadcast_buffers else []
             sync_initial_state(names + [f"buffer {i}" for i in range(len(bufs))],
-                               arrays + bufs, pg, self._timeout_ms)
+                               arrays + bufs, g, pg, self._timeout_ms)
         self._sync = GradSync(
-            arrays, names, self._get_grad, self._set_grad, pg=pg, rank=get_rank(),
-            world_size=get_world_size(), bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
+            arrays, names, self._get_grad, self._set_grad, pg=pg, rank=g.rank,
+            world_size=g.size, bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
             # every gradient is ready at once here, so a static graph needs nothing more
             find_unused=find_unused_parameters or static_graph, static_graph=False,
             view_mode=gradient_as_bucket_view,
@@ -276,7 +279,7 @@ class ArrayDDP(DistributedDataParallel):
     def forward(self, *args, **kwargs):
         """Broadcast buffers from rank 0 (broadcast_buffers), then call the model."""
         if (self.require_forward_param_sync and self.broadcast_buffers and self._buffers
-                and get_world_size() > 1):
+                and self._group.size > 1):
             broadcast_coalesced(self._buffers, self._pg, self._timeout_ms)
         self.require_forward_param_sync = self.require_backward_grad_sync
         fn = self.module if callable(self.module) else getattr(self.module, "forward")

@@ -14,7 +14,8 @@ from launch import torchrun
 
 CASES = ["plain", "no_sync", "unused", "unused_no_sync", "view", "tiny_buckets", "static",
          "static_checkpoint",
-         "buffers", "strided", "generic", "generic_unused", "unused_error", "mismatch_error"]
+         "buffers", "strided", "generic", "generic_unused", "unused_error", "unused_alone",
+         "mismatch_error"]
 
 
 @pytest.mark.parametrize("ws", [2, 3])

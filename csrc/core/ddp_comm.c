@@ -460,7 +460,7 @@ static int pg_device(const void *impl) { (void)impl; return -1; }
 static const ddp_pg_ops comm_pg_ops = {
     "cpu", pg_submit, pg_work_done, pg_work_wait, pg_work_error, NULL, NULL,
     pg_work_retain, pg_work_release, pg_abort, pg_retain, pg_release, pg_destroy,
-    pg_rank, pg_size, pg_device,
+    pg_rank, pg_size, pg_device, 1,
 };
 
 ddp_pg ddp_comm_pg(ddp_comm *c) {

@@ -78,6 +78,8 @@ typedef struct ddp_pg_ops {
     int (*size)(const void *impl);
     /* CUDA device of the communicator, -1 for host transports. */
     int (*device)(const void *impl);
+    /* 1: submit honours ddp_pg_opts.notify; 0: completion must be polled. */
+    int notifies;
 } ddp_pg_ops;
 
 /* A communicator behind the interface. */

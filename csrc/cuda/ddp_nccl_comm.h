@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include "ddp_coll.h"
 #include "ddp_cuda_lib.h"
+#include "ddp_pg.h"
 #include "ddp_store.h"
 
 typedef struct ddp_nccl_comm ddp_nccl_comm;
@@ -75,10 +76,7 @@ ddp_status ddp_nccl_pointer_device(const ddp_nccl_comm *c, const void *ptr,
 /* Asked about every DDP_WAIT_SLICE_MS while NCCL is still launching a
  * collective (ncclInProgress: connection set-up can wait for a missing
  * peer); returning nonzero aborts the communicator. */
-typedef struct ddp_nccl_interrupt {
-    int (*check)(void *ctx);
-    void *ctx;
-} ddp_nccl_interrupt;
+typedef ddp_pg_interrupt ddp_nccl_interrupt;
 
 /* Enqueue a validated collective on device buffers. has_producer: order it
  * after the work already queued on `producer` (a cudaStream_t value; 0 is

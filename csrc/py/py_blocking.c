@@ -76,3 +76,34 @@ int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort) {
     pthread_cond_destroy(&j.cv);
     return interrupted ? -1 : 0;
 }
+
+int ddp_py_wait(int (*slice_fn)(void *ctx, ddp_wait slice), void *ctx, int64_t timeout_ms,
+                void (*on_signal)(void *ctx)) {
+    ddp_wait total = ddp_wait_for(timeout_ms, NULL);
+    for (;;) {
+        ddp_wait slice = ddp_wait_for(DDP_WAIT_SLICE_MS, NULL);
+        if (total.deadline_ms < slice.deadline_ms) slice.deadline_ms = total.deadline_ms;
+        int done;
+        Py_BEGIN_ALLOW_THREADS
+        done = slice_fn(ctx, slice);
+        Py_END_ALLOW_THREADS
+        if (done) return 0;
+        if (PyErr_CheckSignals() < 0) {
+            /* A handler raised (Ctrl-C): break the communication so the wait
+             * ends within moments (peers fail fast too), wait for that, and
+             * hand the exception to the caller. */
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            if (on_signal) on_signal(ctx);
+            for (;;) {
+                Py_BEGIN_ALLOW_THREADS
+                done = slice_fn(ctx, ddp_wait_for(DDP_WAIT_SLICE_MS, NULL));
+                Py_END_ALLOW_THREADS
+                if (done) break;
+            }
+            PyErr_Restore(et, ev, tb);
+            return -1;
+        }
+        if (ddp_wait_expired(total)) return 1;
+    }
+}

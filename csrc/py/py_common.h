@@ -25,10 +25,22 @@ PyObject *ddp_py_raise(ddp_status st, const char *msg);
 #include <stdatomic.h>
 int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort);
 
-/* The core communicator behind a pyddp._C.ProcessGroup (borrowed; valid while
- * the object lives and is not destroyed), or NULL with an exception set. */
+/* The one wait loop of the binding layer: calls slice_fn(ctx, slice) with
+ * the GIL released, in slices of at most DDP_WAIT_SLICE_MS, until it returns
+ * nonzero (done: 0 is returned) or timeout_ms passes (>= 0; 1 is returned).
+ * Between slices Python's signal handlers run; if one raises (Ctrl-C),
+ * on_signal(ctx) is called (it must make the wait end soon, e.g. abort the
+ * group), the loop waits until slice_fn reports done, and -1 is returned with
+ * that exception set. Called with the GIL. */
+#include "ddp_clock.h"
+int ddp_py_wait(int (*slice_fn)(void *ctx, ddp_wait slice), void *ctx, int64_t timeout_ms,
+                void (*on_signal)(void *ctx));
+
+/* The CPU communicator behind a pyddp._C.ProcessGroup, with a reference the
+ * caller drops with ddp_comm_release; NULL with an exception set when obj is
+ * not a ProcessGroup or was destroyed. */
 struct ddp_comm;
-struct ddp_comm *ddp_py_pg_comm(PyObject *pg);
+struct ddp_comm *ddp_py_pg_comm_ref(PyObject *pg);
 
 /* The C client behind a pyddp._C.StoreClient with a reference of the caller's
  * own (give it back with ddp_store_release, with or without the GIL), or NULL
@@ -49,5 +61,6 @@ int ddp_py_pg_register(PyObject *m);
 int ddp_py_net_register(PyObject *m);
 int ddp_py_reducer_register(PyObject *m);
 int ddp_py_nccl_register(PyObject *m);
+int ddp_py_work_register(PyObject *m);
 
 #endif

@@ -1,58 +1,65 @@
-/* py_pg.c - pyddp._C.ProcessGroup and pyddp._C.Work: the CPU process group
- * over the core communicator, and handles for collectives in flight.
+/* py_pg.c - pyddp._C.ProcessGroup: the one process group of the Python
+ * layer, whatever transports are behind it. It always has the CPU
+ * communicator (TCP and shared memory, csrc/core/ddp_comm.h) and may have an
+ * NCCL one; each call is routed by where its arrays live: host arrays to the
+ * CPU transport, GPU arrays to NCCL, which is created on first use by the
+ * Python factory set with set_cuda_factory (or attached at init for
+ * backend="nccl"). Both are driven through ddp_pg.h; handles are
+ * pyddp._C.Work (py_work.c).
  *
  * ProcessGroup(store, rank, size, prefix, advertise_host, bind_host, port_lo,
  *              port_hi, timeout_ms, version, host_id)
- *   rendezvous (collective; Ctrl-C aborts it), then
- *   submit(kind, a, b, op, root, timeout_ms) -> Work   (kinds: COLL_* constants)
+ *   rendezvous (collective; Ctrl-C aborts it); store is held (a reference on
+ *   its C client) for the whole rendezvous, so closing it meanwhile is safe.
+ * subgroup(ranks, tag) -> ProcessGroup   member-only, no communication: a
+ *   view over this group's links for the group ranks `ranks` (increasing).
+ * attach_nccl(store, prefix, device, timeout_ms, version)   collective
+ * set_cuda_factory(fn)   fn() must attach NCCL (collective, every member)
+ * submit(kind, a, b, op, root, timeout_ms, stream=None) -> Work
  * where, by kind, a/b are:
  *   ALLREDUCE, BROADCAST, REDUCE, SEND, RECV: a = the array, b = None
  *   ALLGATHER, REDUCE_SCATTER, GATHER, SCATTER: a = input, b = output
  *     (GATHER's output and SCATTER's input only at the root, None elsewhere)
  *   BARRIER: a = b = None
- * Every check (types, dtypes, device, sizes, root) happens in submit, before
- * anything is queued, so a bad call leaves the group usable.
- *
- * Work holds references to the arrays until the collective finishes, so the
- * memory the worker thread reads and writes stays alive even if the caller
- * drops everything. wait() releases the GIL and runs signal handlers every
- * 100 ms; Ctrl-C aborts the group (peers then fail fast too) and raises.
+ * root is a rank of this group. Every check (types, dtypes, device, sizes,
+ * root) happens in submit, before anything is queued, so a bad call leaves
+ * the group usable. `stream` is the caller's CUDA stream for GPU arrays.
  */
 #include "py_common.h"
 
 #include <stdarg.h>
 #include <string.h>
 #include "ddp_comm.h"
+#include "ddp_store.h"
 #include "py_array.h"
+#include "py_nccl.h"
+#include "py_work.h"
 
 typedef struct {
     PyObject_HEAD
-    ddp_comm *comm;
-    atomic_int abort;      /* rendezvous abort flag */
+    ddp_comm *comm;        /* CPU transport; NULL once destroyed */
+    ddp_pg cuda;           /* NCCL transport; ops NULL until attached */
+    PyObject *cuda_factory;
 } PGObject;
 
-typedef struct {
-    PyObject_HEAD
-    ddp_work *work;
-    PyObject *pg;          /* keeps the communicator alive */
-    ddp_py_array a, b;
-    int finished;          /* arrays released, status recorded */
-    ddp_status status;
-    PyObject *error;       /* saved exception message (str) or NULL */
-} WorkObject;
+static PyTypeObject *PGType;
 
-static PyTypeObject *PGType, *WorkType;
-
-struct ddp_comm *ddp_py_pg_comm(PyObject *pg) {
-    if (PGType == NULL || !PyObject_TypeCheck(pg, PGType)) {
+static PGObject *as_pg(PyObject *o) {
+    if (PGType == NULL || !PyObject_TypeCheck(o, PGType)) {
         PyErr_SetString(PyExc_TypeError, "expected a pyddp._C.ProcessGroup");
         return NULL;
     }
-    PGObject *p = (PGObject *)pg;
+    return (PGObject *)o;
+}
+
+struct ddp_comm *ddp_py_pg_comm_ref(PyObject *pg) {
+    PGObject *p = as_pg(pg);
+    if (p == NULL) return NULL;
     if (p->comm == NULL) {
         ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
         return NULL;
     }
+    ddp_comm_retain(p->comm);
     return p->comm;
 }
 
@@ -87,15 +94,18 @@ static PyObject *pg_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &j.cfg.version, &j.cfg.host_id))
         return NULL;
     j.cfg.timeout_ms = timeout_ms;
-    j.store = ddp_py_store_client_ptr(store_obj);
-    if (j.store == NULL) return NULL;
     PGObject *self = (PGObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
-    atomic_init(&self->abort, 0);
-    j.cfg.abort = &self->abort;
-    Py_INCREF(store_obj);  /* the store must outlive the rendezvous */
-    int rc = ddp_py_run_abortable(create_run, &j, &self->abort);
-    Py_DECREF(store_obj);
+    atomic_int abort;
+    atomic_init(&abort, 0);
+    j.cfg.abort = &abort;
+    j.store = ddp_py_store_client_ref(store_obj);   /* held across the rendezvous */
+    if (j.store == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    int rc = ddp_py_run_abortable(create_run, &j, &abort);
+    ddp_store_release(j.store);
     if (rc < 0) {
         ddp_comm_destroy(j.comm);
         Py_DECREF(self);
@@ -109,39 +119,94 @@ static PyObject *pg_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)self;
 }
 
-static void pg_destroy_comm(PGObject *self) {
+static PyObject *pg_subgroup(PGObject *self, PyObject *args) {
+    PyObject *ranks;
+    unsigned long long tag;
+    if (!PyArg_ParseTuple(args, "OK", &ranks, &tag)) return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence of ints");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int *rk = PyMem_Calloc(n ? (size_t)n : 1, sizeof *rk);
+    if (rk == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            PyMem_Free(rk);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        rk[i] = (int)v;
+    }
+    Py_DECREF(fast);
+    ddp_comm *sub = NULL;
+    ddp_status st = ddp_comm_subgroup(self->comm, (int)n, rk, (uint64_t)tag, &sub);
+    PyMem_Free(rk);
+    if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    PGObject *g = (PGObject *)PGType->tp_alloc(PGType, 0);
+    if (g == NULL) {
+        ddp_comm_destroy(sub);
+        return NULL;
+    }
+    g->comm = sub;
+    return (PyObject *)g;
+}
+
+static PyObject *pg_attach_nccl(PGObject *self, PyObject *args) {
+    PyObject *store_obj;
+    const char *prefix, *version;
+    int device;
+    long long timeout_ms;
+    if (!PyArg_ParseTuple(args, "OsiLs", &store_obj, &prefix, &device, &timeout_ms, &version))
+        return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    if (self->cuda.ops) return ddp_py_raise(DDP_ERR_INVALID, "NCCL is already attached");
+    ddp_pg nccl;
+    if (ddp_py_nccl_create(store_obj, ddp_comm_rank(self->comm), ddp_comm_size(self->comm),
+                           prefix, device, timeout_ms, version, &nccl) < 0)
+        return NULL;
+    if (self->comm == NULL || self->cuda.ops) {   /* destroyed or attached meanwhile */
+        Py_BEGIN_ALLOW_THREADS
+        nccl.ops->destroy(nccl.impl, ddp_wait_for(10000, NULL));
+        Py_END_ALLOW_THREADS
+        return ddp_py_raise(DDP_ERR_INVALID, "the process group changed while NCCL was "
+                            "being set up");
+    }
+    self->cuda = nccl;
+    Py_RETURN_NONE;
+}
+
+static PyObject *pg_set_cuda_factory(PGObject *self, PyObject *fn) {
+    if (fn != Py_None && !PyCallable_Check(fn))
+        return ddp_py_raise(DDP_ERR_INVALID, "the CUDA factory must be callable or None");
+    Py_XSETREF(self->cuda_factory, fn == Py_None ? NULL : Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
+/* End both transports (GIL released); safe to call twice. */
+static void pg_destroy_all(PGObject *self, int64_t nccl_ms) {
     ddp_comm *c = self->comm;
+    ddp_pg cu = self->cuda;
     self->comm = NULL;
-    if (c == NULL) return;
+    memset(&self->cuda, 0, sizeof self->cuda);
     Py_BEGIN_ALLOW_THREADS
-    ddp_comm_destroy(c);
+    if (cu.ops) cu.ops->destroy(cu.impl, ddp_wait_for(nccl_ms, NULL));
+    if (c) ddp_comm_destroy(c);
     Py_END_ALLOW_THREADS
 }
 
 static void pg_dealloc(PGObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    pg_destroy_comm(self);
+    pg_destroy_all(self, 10000);
+    Py_XDECREF(self->cuda_factory);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
 
 /* ---- submit ---------------------------------------------------------- */
-
-static int import_opt(PyObject *obj, int writable, const char *name, ddp_py_array *out) {
-    memset(out, 0, sizeof *out);
-    if (obj == Py_None) return 0;
-    if (ddp_py_array_import(obj, writable, name, out) < 0) return -1;
-    if (out->device != DDP_DEV_CPU) {
-        char msg[300];
-        PyOS_snprintf(msg, sizeof msg, "%s is a GPU array, but this process group uses the "
-                      "CPU backend; use backend=\"nccl\" for GPU arrays or copy it to the "
-                      "CPU first", name);
-        ddp_py_raise(DDP_ERR_TYPE, msg);
-        ddp_py_array_release(out);
-        return -1;
-    }
-    return 0;
-}
 
 static int bad(const char *fmt, ...) {
     char msg[512];
@@ -207,61 +272,162 @@ int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *
     return 0;
 }
 
+/* Import an optional array (GIL held); dl_stream goes to __dlpack__. */
+static int import_opt(PyObject *obj, int writable, const char *name, PyObject *dl_stream,
+                      ddp_py_array *out) {
+    memset(out, 0, sizeof *out);
+    if (obj == Py_None) return 0;
+    return ddp_py_array_import_stream(obj, writable, name,
+                                      dl_stream && PyObject_HasAttrString(obj, "__dlpack__")
+                                          ? dl_stream : NULL, out);
+}
+
+/* Lets a slow NCCL launch (GIL released) run Python's signal handlers: the
+ * submitting thread takes the GIL back for a moment; a raised exception is
+ * kept for submit to re-raise, and aborts the launch. */
+typedef struct {
+    PyThreadState *ts;
+    PyObject *et, *ev, *tb;
+} sig_check;
+
+static int check_signals(void *p) {
+    sig_check *s = p;
+    if (s->et != NULL) return 1;
+    PyEval_RestoreThread(s->ts);
+    if (PyErr_CheckSignals() < 0) PyErr_Fetch(&s->et, &s->ev, &s->tb);
+    s->ts = PyEval_SaveThread();
+    return s->et != NULL;
+}
+
+/* The transport for a call whose arrays are on_gpu: attaches NCCL through the
+ * factory on first use. 0 with *out set, or -1 with an exception. */
+static int route(PGObject *self, int on_gpu, ddp_pg *out) {
+    if (!on_gpu) {
+        *out = ddp_comm_pg(self->comm);
+        return 0;
+    }
+    if (self->cuda.ops == NULL && self->cuda_factory != NULL) {
+        PyObject *r = PyObject_CallNoArgs(self->cuda_factory);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    if (self->comm == NULL) {
+        ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+        return -1;
+    }
+    if (self->cuda.ops == NULL) {
+        ddp_py_raise(DDP_ERR_TYPE, "a GPU array was passed, but this process group has no "
+                     "GPU transport (backend=\"cpu\"/\"gloo\"); use backend=\"nccl\" or None, "
+                     "or copy the array to the CPU first");
+        return -1;
+    }
+    *out = self->cuda;
+    return 0;
+}
+
 static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"kind", "a", "b", "op", "root", "timeout_ms", NULL};
+    static char *kwlist[] = {"kind", "a", "b", "op", "root", "timeout_ms", "stream", NULL};
     int kind, op = 0, root = 0;
-    PyObject *ao = Py_None, *bo = Py_None;
+    PyObject *ao = Py_None, *bo = Py_None, *so = Py_None;
     long long timeout_ms = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|OOiiL", kwlist, &kind, &ao, &bo, &op,
-                                     &root, &timeout_ms))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|OOiiLO", kwlist, &kind, &ao, &bo, &op, &root,
+                                     &timeout_ms, &so))
         return NULL;
     if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     if (op < 0 || op >= DDP_REDOP_COUNT) return ddp_py_raise(DDP_ERR_INVALID, "invalid reduce op");
-    WorkObject *w = PyObject_New(WorkObject, WorkType);
-    if (w == NULL) return NULL;
-    w->work = NULL;
-    w->pg = NULL;
-    w->finished = 0;
-    w->status = DDP_OK;
-    w->error = NULL;
-    memset(&w->a, 0, sizeof w->a);
-    memset(&w->b, 0, sizeof w->b);
+    int has_stream = so != Py_None;
+    uintptr_t stream = 0;
+    if (has_stream) {
+        stream = (uintptr_t)PyLong_AsUnsignedLongLong(so);
+        if (PyErr_Occurred()) return NULL;
+    }
+    /* DLPack's consumer stream: 1 names the legacy default stream (0 is
+     * reserved), so the producer orders its work before ours itself too. */
+    PyObject *dl_stream = has_stream ? PyLong_FromUnsignedLongLong(stream ? stream : 1) : NULL;
+    if (has_stream && dl_stream == NULL) return NULL;
     int writable_a = kind == DDP_COLL_ALLREDUCE || kind == DDP_COLL_BROADCAST ||
                      kind == DDP_COLL_REDUCE || kind == DDP_COLL_RECV;
+    ddp_py_array a, b;
     ddp_coll_args ca;
     memset(&ca, 0, sizeof ca);
+    memset(&b, 0, sizeof b);
     ca.op = (ddp_redop)op;
-    int size = ddp_comm_size(self->comm), rank = ddp_comm_rank(self->comm);
-    if (import_opt(ao, writable_a, "input", &w->a) < 0 ||
-        import_opt(bo, 1, "output", &w->b) < 0 ||
-        ddp_py_coll_args_fill(kind, size, rank, root, &w->a, &w->b, &ca) < 0) {
-        Py_DECREF(w);   /* dealloc releases whatever the imports took */
+    ddp_pg pg = {NULL, NULL};
+    int rc = import_opt(ao, writable_a, "input", dl_stream, &a);
+    if (rc == 0) rc = import_opt(bo, 1, "output", dl_stream, &b);
+    Py_XDECREF(dl_stream);
+    int on_gpu = (a.owner && a.device == DDP_DEV_CUDA) || (b.owner && b.device == DDP_DEV_CUDA);
+    if (rc == 0 && a.owner && b.owner && a.device != b.device) {
+        ddp_py_raise(DDP_ERR_INVALID, "the input and the output must both be GPU arrays or "
+                     "both host arrays");
+        rc = -1;
+    }
+    /* The imports (and the factory) ran Python code, which may have
+     * destroyed the group: route checks. */
+    if (rc == 0) rc = route(self, on_gpu, &pg);
+    if (rc == 0 && on_gpu && a.owner) rc = ddp_py_nccl_check_array(pg, &a, "input");
+    if (rc == 0 && on_gpu && b.owner) rc = ddp_py_nccl_check_array(pg, &b, "output");
+    if (rc == 0)
+        rc = ddp_py_coll_args_fill(kind, pg.ops->size(pg.impl), pg.ops->rank(pg.impl), root,
+                                   &a, &b, &ca);
+    if (rc < 0) {
+        ddp_py_array_release(&a);
+        ddp_py_array_release(&b);
         return NULL;
     }
-    /* The imports ran Python code (__dlpack__), which may have destroyed the group. */
-    if (self->comm == NULL) {
-        Py_DECREF(w);
-        return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    ddp_pg_opts o = {.timeout_ms = timeout_ms, .has_stream = has_stream, .stream = stream,
+                     .notify = ddp_py_work_notify};
+    ddp_pg_work work;
+    ddp_status st;
+    if (pg.ops->notifies) {
+        st = ddp_pg_submit(pg, &ca, &o, &work);   /* queues; never blocks */
+    } else {
+        /* NCCL's launch can wait for peers: release the GIL, keep Ctrl-C. */
+        sig_check sc = {NULL, NULL, NULL, NULL};
+        ddp_pg_interrupt intr = {check_signals, &sc};
+        o.intr = &intr;
+        pg.ops->retain(pg.impl);   /* against a destroy() from another thread */
+        sc.ts = PyEval_SaveThread();
+        st = ddp_pg_submit(pg, &ca, &o, &work);
+        PyEval_RestoreThread(sc.ts);
+        pg.ops->release(pg.impl);
+        if (sc.et != NULL) {
+            if (st == DDP_OK) {
+                PyObject *w = ddp_py_work_new(pg, work, &a, &b, has_stream, stream);
+                Py_XDECREF(w);   /* waits for the aborted work, then lets go */
+            }
+            ddp_py_array_release(&a);
+            ddp_py_array_release(&b);
+            PyErr_Restore(sc.et, sc.ev, sc.tb);
+            return NULL;
+        }
     }
-    ddp_status st = ddp_comm_submit(self->comm, &ca, timeout_ms, &w->work);
     if (st != DDP_OK) {
-        Py_DECREF(w);
+        ddp_py_array_release(&a);
+        ddp_py_array_release(&b);
         return ddp_py_raise(st, NULL);
     }
-    Py_INCREF(self);
-    w->pg = (PyObject *)self;
-    return (PyObject *)w;
+    return ddp_py_work_new(pg, work, &a, &b, has_stream, stream);
 }
 
 static PyObject *pg_abort(PGObject *self, PyObject *args) {
     const char *reason = "abort() called";
     if (!PyArg_ParseTuple(args, "|s", &reason)) return NULL;
-    if (self->comm) ddp_comm_abort(self->comm, reason);
+    ddp_comm *c = self->comm;
+    ddp_pg cu = self->cuda;
+    if (c) ddp_comm_retain(c);
+    if (cu.ops) cu.ops->retain(cu.impl);
+    Py_BEGIN_ALLOW_THREADS
+    if (c) ddp_comm_abort(c, reason);
+    if (cu.ops) cu.ops->abort(cu.impl, reason);
+    Py_END_ALLOW_THREADS
+    if (cu.ops) cu.ops->release(cu.impl);
+    ddp_comm_release(c);
     Py_RETURN_NONE;
 }
 
 static PyObject *pg_destroy(PGObject *self, PyObject *unused) {
-    pg_destroy_comm(self);
+    pg_destroy_all(self, 60000);
     Py_RETURN_NONE;
 }
 
@@ -279,129 +445,38 @@ static PyObject *pg_get_rank(PGObject *self, void *c) {
 static PyObject *pg_get_size(PGObject *self, void *c) {
     return self->comm ? PyLong_FromLong(ddp_comm_size(self->comm)) : ddp_py_raise(DDP_ERR_INVALID, "destroyed");
 }
-
-/* ---- Work ------------------------------------------------------------ */
-
-/* Record the outcome and drop the array references. Requires the work done. */
-static void work_finish(WorkObject *w) {
-    if (w->finished) return;
-    w->finished = 1;
-    if (w->work) {
-        ddp_status st = ddp_work_wait(w->work, ddp_wait_for(0, NULL));
-        w->status = st;
-        if (st != DDP_OK) w->error = PyUnicode_FromString(ddp_work_error(w->work));
-        ddp_work_release(w->work);
-        w->work = NULL;
-    }
-    ddp_py_array_release(&w->a);
-    ddp_py_array_release(&w->b);
+static PyObject *pg_get_device(PGObject *self, void *c) {
+    return PyLong_FromLong(self->cuda.ops ? self->cuda.ops->device(self->cuda.impl) : -1);
+}
+static PyObject *pg_get_has_cuda(PGObject *self, void *c) {
+    return PyBool_FromLong(self->cuda.ops != NULL);
+}
+static PyObject *pg_get_destroyed(PGObject *self, void *c) {
+    return PyBool_FromLong(self->comm == NULL);
 }
 
-/* Wait up to ms (GIL released) on the core work; returns whether it is done.
- * Holds its own reference, since another thread may call work_finish (which
- * releases w->work) while this one waits. Requires w->work != NULL. */
-static int work_wait_slice(WorkObject *w, ddp_wait slice) {
-    ddp_work *cw = w->work;
-    int done;
-    ddp_work_retain(cw);
-    Py_BEGIN_ALLOW_THREADS
-    ddp_work_wait(cw, slice);
-    done = ddp_work_done(cw);
-    ddp_work_release(cw);
-    Py_END_ALLOW_THREADS
-    return done;
-}
-
-/* Block until the work is done, however long (GIL released meanwhile). */
-static void work_block(WorkObject *w) {
-    while (!w->finished && w->work != NULL && !work_wait_slice(w, ddp_wait_for(1000, NULL))) {
-    }
-}
-
-static PyObject *work_raise(WorkObject *w) {
-    if (w->status == DDP_OK) Py_RETURN_TRUE;
-    const char *msg = w->error ? PyUnicode_AsUTF8(w->error) : NULL;
-    return ddp_py_raise(w->status, msg);
-}
-
-static PyObject *work_wait(WorkObject *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"timeout_ms", NULL};
-    long long timeout_ms = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|L", kwlist, &timeout_ms)) return NULL;
-    if (w->finished) return work_raise(w);
-    ddp_wait total = ddp_wait_for(timeout_ms, NULL);
-    for (;;) {
-        ddp_wait slice = ddp_wait_for(100, NULL);
-        if (total.deadline_ms < slice.deadline_ms) slice.deadline_ms = total.deadline_ms;
-        if (w->finished) return work_raise(w);   /* another thread finished it */
-        if (work_wait_slice(w, slice)) break;
-        if (PyErr_CheckSignals() < 0) {
-            /* Interrupted: break the group so the worker (and the peers)
-             * stop, then wait for the worker to let go of the arrays. */
-            PyObject *et, *ev, *tb;
-            PyErr_Fetch(&et, &ev, &tb);
-            ddp_comm *c = ddp_py_pg_comm(w->pg);
-            PyErr_Clear();
-            if (c) ddp_comm_abort(c, "interrupted by a signal (Ctrl-C) while waiting");
-            work_block(w);
-            work_finish(w);
-            PyErr_Restore(et, ev, tb);
-            return NULL;
-        }
-        if (ddp_wait_expired(total)) {
-            return ddp_py_raise(DDP_ERR_TIMEOUT, "Work.wait(timeout) expired before the "
-                                "collective finished; it is still running");
-        }
-    }
-    work_finish(w);   /* no-op if another thread got there first */
-    return work_raise(w);
-}
-
-static PyObject *work_is_completed(WorkObject *w, PyObject *unused) {
-    if (w->finished || ddp_work_done(w->work)) Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
-}
-
-static PyObject *work_exception(WorkObject *w, PyObject *unused) {
-    if (!w->finished) {
-        if (!ddp_work_done(w->work)) Py_RETURN_NONE;
-        work_finish(w);
-    }
-    if (w->status == DDP_OK) Py_RETURN_NONE;
-    work_raise(w);
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    PyErr_NormalizeException(&et, &ev, &tb);
-    Py_XDECREF(et);
-    Py_XDECREF(tb);
-    return ev;
-}
-
-static void work_dealloc(WorkObject *w) {
-    PyTypeObject *tp = Py_TYPE(w);
-    if (!w->finished) {
-        work_block(w);   /* the worker may still use the arrays */
-        work_finish(w);
-    }
-    Py_XDECREF(w->error);
-    Py_XDECREF(w->pg);
-    PyObject_Free(w);
-    Py_DECREF(tp);
-}
-
-/* ---- type specs ------------------------------------------------------ */
+/* ---- type spec ------------------------------------------------------- */
 
 static PyMethodDef pg_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))pg_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(kind, a=None, b=None, op=0, root=0, timeout_ms=-1) -> Work"},
+     "submit(kind, a=None, b=None, op=0, root=0, timeout_ms=-1, stream=None) -> Work"},
+    {"subgroup", (PyCFunction)pg_subgroup, METH_VARARGS,
+     "subgroup(ranks, tag) -> ProcessGroup (member-only, no communication)"},
+    {"attach_nccl", (PyCFunction)pg_attach_nccl, METH_VARARGS,
+     "attach_nccl(store, prefix, device, timeout_ms, version): collective NCCL set-up"},
+    {"set_cuda_factory", (PyCFunction)pg_set_cuda_factory, METH_O,
+     "set_cuda_factory(fn): fn() attaches NCCL on first use of a GPU array"},
     {"abort", (PyCFunction)pg_abort, METH_VARARGS, "Break the group now; peers fail fast."},
     {"destroy", (PyCFunction)pg_destroy, METH_NOARGS, "Close all connections."},
     {"peer", (PyCFunction)pg_peer, METH_VARARGS, "peer(rank) -> (description, host_id)"},
     {NULL}
 };
 static PyGetSetDef pg_getset[] = {
-    {"rank", (getter)pg_get_rank, NULL, "this rank", NULL},
-    {"size", (getter)pg_get_size, NULL, "world size", NULL},
+    {"rank", (getter)pg_get_rank, NULL, "this rank in the group", NULL},
+    {"size", (getter)pg_get_size, NULL, "group size", NULL},
+    {"device", (getter)pg_get_device, NULL, "CUDA device of the NCCL transport, -1 if none", NULL},
+    {"has_cuda", (getter)pg_get_has_cuda, NULL, "whether NCCL is attached", NULL},
+    {"destroyed", (getter)pg_get_destroyed, NULL, "whether destroy() ran", NULL},
     {NULL}
 };
 static PyType_Slot pg_slots[] = {
@@ -409,34 +484,17 @@ static PyType_Slot pg_slots[] = {
     {Py_tp_dealloc, pg_dealloc},
     {Py_tp_methods, pg_methods},
     {Py_tp_getset, pg_getset},
-    {Py_tp_doc, "CPU process group over pyddp's C communicator."},
+    {Py_tp_doc, "A process group: the CPU transport, and NCCL for GPU arrays."},
     {0, NULL}
 };
 static PyType_Spec pg_spec = {"pyddp._C.ProcessGroup", sizeof(PGObject), 0,
                               Py_TPFLAGS_DEFAULT, pg_slots};
 
-static PyMethodDef work_methods[] = {
-    {"wait", (PyCFunction)(void (*)(void))work_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout_ms=-1) -> True; raises the collective's error"},
-    {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS, "True once finished"},
-    {"exception", (PyCFunction)work_exception, METH_NOARGS, "the error, or None"},
-    {NULL}
-};
-static PyType_Slot work_slots[] = {
-    {Py_tp_dealloc, work_dealloc},
-    {Py_tp_methods, work_methods},
-    {Py_tp_doc, "A collective in flight."},
-    {0, NULL}
-};
-static PyType_Spec work_spec = {"pyddp._C.Work", sizeof(WorkObject), 0, Py_TPFLAGS_DEFAULT,
-                                work_slots};
-
 int ddp_py_pg_register(PyObject *m) {
     if (ddp_py_array_init() < 0) return -1;
+    if (ddp_py_work_register(m) < 0) return -1;
     PGType = (PyTypeObject *)PyType_FromSpec(&pg_spec);
     if (PGType == NULL || PyModule_AddObjectRef(m, "ProcessGroup", (PyObject *)PGType) < 0) return -1;
-    WorkType = (PyTypeObject *)PyType_FromSpec(&work_spec);
-    if (WorkType == NULL || PyModule_AddObjectRef(m, "Work", (PyObject *)WorkType) < 0) return -1;
     struct { const char *n; int v; } consts[] = {
         {"COLL_ALLREDUCE", DDP_COLL_ALLREDUCE}, {"COLL_BROADCAST", DDP_COLL_BROADCAST},
         {"COLL_REDUCE", DDP_COLL_REDUCE}, {"COLL_ALLGATHER", DDP_COLL_ALLGATHER},

@@ -32,8 +32,8 @@
 typedef struct {
     PyObject_HEAD
     ddp_reducer *r;
-    PyObject *pg;           /* keeps the communicator alive; NULL when unattached */
-    ddp_comm *comm;
+    PyObject *pg;           /* the _C.ProcessGroup; NULL when unattached */
+    ddp_comm *comm;         /* a reference of our own: valid even after pg is destroyed */
     ddp_py_array *buckets;  /* [nbuckets] imported bucket arrays */
     ddp_py_array *grads;    /* [nparams] gradients held for this iteration */
 } ReducerObject;
@@ -126,16 +126,41 @@ static void release_grads(ReducerObject *self) {
     for (size_t i = 0; i < n; i++) ddp_py_array_release(&self->grads[i]);
 }
 
-/* Wait, with the GIL released, until every launched all-reduce finished. */
-static void drain_blocking(ReducerObject *self) {
+static int drain_slice(void *p, ddp_wait slice) {
+    return ddp_reducer_drain(((ReducerObject *)p)->r, slice) == DDP_OK;
+}
+
+static void abort_on_signal(void *p) {
+    ReducerObject *self = p;
+    if (self->comm) ddp_comm_abort(self->comm, "interrupted (Ctrl-C) during the DDP gradient "
+                                   "all-reduce");
+}
+
+/* Wait until every launched all-reduce finished, through the one wait loop
+ * (GIL released, Ctrl-C aborts the group so the wait ends within moments).
+ * 0, or -1 with the signal handler's exception set. */
+static int drain_blocking(ReducerObject *self) {
     if (self->r == NULL || ddp_reducer_pending(self->r) == 0) {
         if (self->r) ddp_reducer_drain(self->r, ddp_wait_for(0, NULL));
-        return;
+        return 0;
     }
-    Py_BEGIN_ALLOW_THREADS
-    while (ddp_reducer_drain(self->r, ddp_wait_for(1000, NULL)) != DDP_OK) {
+    return ddp_py_wait(drain_slice, self, -1, abort_on_signal) < 0 ? -1 : 0;
+}
+
+/* drain_blocking where no exception may be raised (dealloc, error paths):
+ * an interrupt is re-delivered to the main thread, other errors reported. */
+static void drain_quietly(ReducerObject *self) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (drain_blocking(self) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            PyErr_Clear();
+            PyErr_SetInterrupt();
+        } else {
+            PyErr_WriteUnraisable((PyObject *)self);
+        }
     }
-    Py_END_ALLOW_THREADS
+    PyErr_Restore(et, ev, tb);
 }
 
 static void release_buckets(ReducerObject *self) {
@@ -149,12 +174,13 @@ static void release_buckets(ReducerObject *self) {
 static void reducer_dealloc(ReducerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->r) {
-        drain_blocking(self);   /* the worker may still use the buckets */
+        drain_quietly(self);   /* the worker may still use the buckets */
         release_grads(self);
         release_buckets(self);
         ddp_reducer_destroy(self->r);
     }
     PyMem_Free(self->grads);
+    ddp_comm_release(self->comm);
     Py_XDECREF(self->pg);
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -274,14 +300,18 @@ static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
     ddp_comm *comm = NULL;
     int world = 1;
     if (pg != Py_None) {
-        if ((comm = ddp_py_pg_comm(pg)) == NULL) return NULL;
+        if ((comm = ddp_py_pg_comm_ref(pg)) == NULL) return NULL;
         world = ddp_comm_size(comm);
     }
     const ddp_plan *p = ddp_reducer_plan(self->r);
     PyObject *fast = PySequence_Fast(arrays, "buckets must be a sequence of arrays");
-    if (fast == NULL) return NULL;
+    if (fast == NULL) {
+        ddp_comm_release(comm);
+        return NULL;
+    }
     if ((size_t)PySequence_Fast_GET_SIZE(fast) != p->nbuckets) {
         Py_DECREF(fast);
+        ddp_comm_release(comm);
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: wrong number of bucket arrays");
     }
     ddp_py_array *bk = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *bk);
@@ -306,6 +336,7 @@ static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
     if (!ok || st != DDP_OK) {
         for (size_t b = 0; bk && b < p->nbuckets; b++) ddp_py_array_release(&bk[b]);
         PyMem_Free(bk);
+        ddp_comm_release(comm);
         return ok ? ddp_py_raise(st, NULL) : NULL;
     }
     self->buckets = bk;
@@ -315,13 +346,16 @@ static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The communicator must still exist: destroy_process_group() frees it even while
- * this Reducer holds the ProcessGroup object. 0, or -1 with an exception. */
+/* The process group must not have been destroyed (destroy_process_group() ends
+ * it even while this Reducer, which keeps the memory alive by its reference,
+ * still uses it). 0, or -1 with an exception. */
 static int check_comm(ReducerObject *self) {
     if (self->pg == NULL) return 0;
-    struct ddp_comm *c = ddp_py_pg_comm(self->pg);
-    if (c == NULL) return -1;
-    if (c != self->comm) {
+    PyObject *d = PyObject_GetAttrString(self->pg, "destroyed");
+    if (d == NULL) return -1;
+    int destroyed = PyObject_IsTrue(d);
+    Py_DECREF(d);
+    if (destroyed) {
         ddp_py_raise(DDP_ERR_INVALID, "DDP: the process group this model was wrapped with "
                      "was destroyed; wrap the model again after init_process_group()");
         return -1;
@@ -376,11 +410,8 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.finish: no buckets attached");
     if (check_comm(self) < 0) {
         /* Its work failed when the communicator went away: let go of it. */
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        drain_blocking(self);
+        drain_quietly(self);
         release_grads(self);
-        PyErr_Restore(et, ev, tb);
         return NULL;
     }
     ddp_status st;
@@ -394,11 +425,10 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
         if (PyErr_CheckSignals() < 0) {
             /* Ctrl-C: break the group so our all-reduces (and the peers'
              * waits on us) end now, then let go of everything. */
-            if (self->comm) ddp_comm_abort(self->comm, "interrupted (Ctrl-C) during the DDP "
-                                           "gradient all-reduce");
+            abort_on_signal(self);
             PyObject *et, *ev, *tb;
             PyErr_Fetch(&et, &ev, &tb);
-            drain_blocking(self);
+            drain_quietly(self);
             release_grads(self);
             PyErr_Restore(et, ev, tb);
             return NULL;
@@ -409,8 +439,16 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
 }
 
 static PyObject *reducer_drain(ReducerObject *self, PyObject *unused) {
-    drain_blocking(self);
+    int rc = drain_blocking(self);
     release_grads(self);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_abort(ReducerObject *self, PyObject *args) {
+    const char *reason = "DDP failed on this rank";
+    if (!PyArg_ParseTuple(args, "|s", &reason)) return NULL;
+    if (self->comm) ddp_comm_abort(self->comm, reason);
     Py_RETURN_NONE;
 }
 
@@ -443,6 +481,8 @@ static PyMethodDef reducer_methods[] = {
      "ready(i, grad_or_None, copy_back): copy into the bucket, launch full buckets"},
     {"finish", (PyCFunction)reducer_finish, METH_VARARGS,
      "finish(track_used): wait for every bucket, copy averages back"},
+    {"abort", (PyCFunction)reducer_abort, METH_VARARGS,
+     "abort(reason): break the attached process group (peers fail fast)"},
     {"drain", (PyCFunction)reducer_drain, METH_NOARGS,
      "wait for in-flight all-reduces and end the iteration without copying back"},
     {NULL}

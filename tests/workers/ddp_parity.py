@@ -12,6 +12,8 @@ first failure. Usage: torchrun --nproc_per_node=N ddp_parity.py [config ...]
 import contextlib
 import copy
 import sys
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
@@ -173,7 +175,49 @@ def run_unused_error(rank):
         assert "branch.weight" in str(e)
     else:
         raise AssertionError("the next forward after the unused-parameter error did not fail")
+    # The failing rank broke the process group, so its peers fail fast too.
+    try:
+        pyddp.barrier()
+    except pyddp.DistError as e:
+        assert "broken" in str(e) and "received no gradient" in str(e), str(e)
+    else:
+        raise AssertionError("the group still worked after DDP failed on this rank")
+    _reinit()
     print(f"PASS unused_error rank={rank}", flush=True)
+
+
+def run_unused_alone(rank):
+    """Only rank 0 skips a parameter: it fails, and rank 1, waiting in the all-reduce,
+    fails within seconds (not at the 60 s timeout) because rank 0 broke the group."""
+    torch.manual_seed(5)
+    ddp = pyddp.DistributedDataParallel(Net(), bucket_cap_mb=0.0001)
+    x, y = batch(0, 0, rank)
+    t0 = time.monotonic()
+    try:
+        F.cross_entropy(ddp(x, use_branch=rank != 0), y).backward()
+    except pyddp.DistError as e:
+        if rank == 0:
+            assert "branch.weight" in str(e), str(e)
+    else:
+        if rank == 0:
+            raise AssertionError("an unused parameter on rank 0 did not fail there")
+    if rank != 0:
+        try:
+            ddp(x)
+            pyddp.barrier()
+        except pyddp.DistError:
+            pass
+        else:
+            raise AssertionError("rank 1 did not notice that rank 0 failed")
+    took = time.monotonic() - t0
+    assert took < 15, f"rank {rank} took {took:.1f} s to fail"
+    _reinit()
+    print(f"PASS unused_alone rank={rank} took={took:.2f}s", flush=True)
+
+
+def _reinit():
+    pyddp.destroy_process_group()
+    pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
 
 
 def run_mismatch_error(rank):
@@ -193,14 +237,16 @@ def run_mismatch_error(rank):
 
 
 def main():
-    names = sys.argv[1:] or list(CONFIGS) + ["unused_error", "mismatch_error"]
+    names = sys.argv[1:] or list(CONFIGS) + ["unused_error", "unused_alone", "mismatch_error"]
     tdist.init_process_group("gloo")
-    pyddp.init_process_group("cpu")
+    pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
     rank = pyddp.get_rank()
     assert rank == tdist.get_rank()
     for name in names:
         if name == "unused_error":
             run_unused_error(rank)
+        elif name == "unused_alone":
+            run_unused_alone(rank)
         elif name == "mismatch_error":
             run_mismatch_error(rank)
         else:
