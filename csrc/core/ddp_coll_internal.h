@@ -13,6 +13,7 @@
 #define DDP_COLL_INTERNAL_H
 
 #include "ddp_coll.h"
+#include "ddp_le.h"
 
 #define DDP_COLL_MAGIC 0x4c4f4344u /* "DCOL" little-endian */
 #define DDP_COLL_HDR_BYTES 32
@@ -25,7 +26,8 @@
 #define DDP_COLL_PATH_LARGE 2
 
 /* The header every collective exchanges, in host form. On the wire it is
- * these fields in this order, little-endian, 32 bytes. Fields that do not
+ * these fields in this order, little-endian, 32 bytes (the codec in
+ * ddp_coll_xchg.c lists the offsets and asserts the size). Fields that do not
  * apply to a kind are zero (op outside reductions, root outside rooted
  * kinds, everything but kind, path and seq for barrier), so headers
  * compare field by field. */
@@ -122,14 +124,8 @@ ddp_status ddp_coll_a2a_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 ddp_status ddp_coll_batch_validate(const ddp_group *g, const ddp_coll_args *a);
 ddp_status ddp_coll_batch_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 
-/* Little-endian 64-bit fields of the tables those two exchange. */
-static inline void ddp_coll_put_le64(unsigned char *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static inline uint64_t ddp_coll_get_le64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
+/* Little-endian 64-bit fields of the tables those two exchange (ddp_le.h). */
+static inline void ddp_coll_put_le64(unsigned char *p, uint64_t v) { ddp_le_put64(p, v); }
+static inline uint64_t ddp_coll_get_le64(const unsigned char *p) { return ddp_le_get64(p); }
 
 #endif

@@ -10,54 +10,51 @@
  * the mismatched calls carry different payload sizes.
  */
 #include "ddp_coll_internal.h"
+#include "ddp_le.h"
 
 #include <stdio.h>
 #include <string.h>
 
 /* ---- header codec --------------------------------------------------------- */
 
-static void put32(unsigned char *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static void put64(unsigned char *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static uint32_t get32(const unsigned char *p) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
+/* Wire layout: offsets of the fields, little-endian, written byte by byte
+ * (ddp_le.h), so neither the host's byte order nor struct padding matter. */
+enum {
+    HDR_MAGIC = 0,  /* u32 */
+    HDR_KIND = 4,   /* u8 kind, dtype, op, path */
+    HDR_DTYPE = 5,
+    HDR_OP = 6,
+    HDR_PATH = 7,
+    HDR_ROOT = 8,   /* i32 */
+    HDR_RANK = 12,  /* u32 */
+    HDR_COUNT = 16, /* u64 */
+    HDR_SEQ = 24,   /* u64 */
+    HDR_END = 32
+};
+_Static_assert(HDR_END == DDP_COLL_HDR_BYTES, "the header's fields must fill DDP_COLL_HDR_BYTES");
 
 static void hdr_encode(const ddp_coll_hdr *h, unsigned char *out) {
-    put32(out, h->magic);
-    out[4] = h->kind;
-    out[5] = h->dtype;
-    out[6] = h->op;
-    out[7] = h->path;
-    put32(out + 8, (uint32_t)h->root);
-    put32(out + 12, h->rank);
-    put64(out + 16, h->count);
-    put64(out + 24, h->seq);
+    ddp_le_put32(out + HDR_MAGIC, h->magic);
+    out[HDR_KIND] = h->kind;
+    out[HDR_DTYPE] = h->dtype;
+    out[HDR_OP] = h->op;
+    out[HDR_PATH] = h->path;
+    ddp_le_put32(out + HDR_ROOT, (uint32_t)h->root);
+    ddp_le_put32(out + HDR_RANK, h->rank);
+    ddp_le_put64(out + HDR_COUNT, h->count);
+    ddp_le_put64(out + HDR_SEQ, h->seq);
 }
 
 static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
-    h->magic = get32(in);
-    h->kind = in[4];
-    h->dtype = in[5];
-    h->op = in[6];
-    h->path = in[7];
-    h->root = (int32_t)get32(in + 8);
-    h->rank = get32(in + 12);
-    h->count = get64(in + 16);
-    h->seq = get64(in + 24);
+    h->magic = ddp_le_get32(in + HDR_MAGIC);
+    h->kind = in[HDR_KIND];
+    h->dtype = in[HDR_DTYPE];
+    h->op = in[HDR_OP];
+    h->path = in[HDR_PATH];
+    h->root = (int32_t)ddp_le_get32(in + HDR_ROOT);
+    h->rank = ddp_le_get32(in + HDR_RANK);
+    h->count = ddp_le_get64(in + HDR_COUNT);
+    h->seq = ddp_le_get64(in + HDR_SEQ);
 }
 
 void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out) { hdr_encode(h, out); }

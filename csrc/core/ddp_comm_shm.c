@@ -20,25 +20,58 @@
 #include <string.h>
 
 #include "ddp_comm_internal.h"
+#include "ddp_le.h"
 #include "ddp_link_shm.h"
 #include "ddp_settings.h"
 
 #define OFFER_MAGIC 0x4f4d4853u /* "SHMO" */
 #define ACK_MAGIC 0x414d4853u   /* "SHMA" */
 
+/* The offer and the ack in host form. On the wire (little-endian, byte by
+ * byte, see the codecs below): offer = u32 magic, u32 ok, u64 ring_bytes,
+ * name[DDP_SHM_NAME_MAX] (NUL-padded), 80 bytes; ack = u32 magic, u32 ok,
+ * 8 bytes. */
 typedef struct shm_offer {
     uint32_t magic;
     uint32_t ok;                 /* 1: name is a segment to map; 0: stay on TCP */
     uint64_t ring_bytes;
     char name[DDP_SHM_NAME_MAX];
 } shm_offer;
-_Static_assert(sizeof(shm_offer) == 80, "shm_offer is a fixed 80-byte wire struct");
 
 typedef struct shm_ack {
     uint32_t magic;
     uint32_t ok;                 /* 1: mapped, switching to shared memory */
 } shm_ack;
-_Static_assert(sizeof(shm_ack) == 8, "shm_ack is a fixed 8-byte wire struct");
+
+#define OFFER_BYTES 80
+#define ACK_BYTES 8
+_Static_assert(16 + DDP_SHM_NAME_MAX == OFFER_BYTES, "the offer is a fixed 80-byte message");
+
+static void offer_encode(const shm_offer *o, unsigned char out[OFFER_BYTES]) {
+    ddp_le_put32(out, o->magic);
+    ddp_le_put32(out + 4, o->ok);
+    ddp_le_put64(out + 8, o->ring_bytes);
+    memcpy(out + 16, o->name, DDP_SHM_NAME_MAX);
+}
+
+/* The name is NUL-terminated whatever the peer sent. */
+static void offer_decode(const unsigned char in[OFFER_BYTES], shm_offer *o) {
+    o->magic = ddp_le_get32(in);
+    o->ok = ddp_le_get32(in + 4);
+    o->ring_bytes = ddp_le_get64(in + 8);
+    memcpy(o->name, in + 16, DDP_SHM_NAME_MAX);
+    o->name[DDP_SHM_NAME_MAX - 1] = '\0';
+}
+
+static void ack_encode(const shm_ack *a, unsigned char out[ACK_BYTES]) {
+    ddp_le_put32(out, a->magic);
+    ddp_le_put32(out + 4, a->ok);
+}
+
+static void ack_decode(const unsigned char in[ACK_BYTES], shm_ack *a) {
+    a->magic = ddp_le_get32(in);
+    a->ok = ddp_le_get32(in + 4);
+}
 
 /* Per-peer state of segments this rank created (peers above it). */
 typedef struct pending {
@@ -68,7 +101,9 @@ static ddp_status send_offers(ddp_comm *c, pending *pend, int disabled, ddp_wait
             o.ring_bytes = ring;
             memcpy(o.name, pend[p].name, sizeof o.name);
         }
-        ddp_status st = ddp_link_send(c->links[p], &o, sizeof o, w);
+        unsigned char msg[OFFER_BYTES];
+        offer_encode(&o, msg);
+        ddp_status st = ddp_link_send(c->links[p], msg, sizeof msg, w);
         if (st != DDP_OK)
             return ddp_error_prefix(st, "rank %d offering shared memory to %s: ", c->rank,
                                     c->desc[p]);
@@ -81,19 +116,22 @@ static ddp_status answer_offers(ddp_comm *c, int disabled, ddp_wait w) {
     for (int p = 0; p < c->rank; p++) {
         if (!same_host(c, p)) continue;
         shm_offer o;
-        ddp_status st = ddp_link_recv(c->links[p], &o, sizeof o, w);
+        unsigned char msg[OFFER_BYTES];
+        ddp_status st = ddp_link_recv(c->links[p], msg, sizeof msg, w);
         if (st != DDP_OK)
             return ddp_error_prefix(st, "rank %d waiting for %s's shared-memory offer: ",
                                     c->rank, c->desc[p]);
+        offer_decode(msg, &o);
         if (o.magic != OFFER_MAGIC)
             return ddp_error(DDP_ERR_PROTOCOL, "rank %d: %s sent a malformed shared-memory "
                              "offer (magic %#x); do both ranks run the same pyddp?", c->rank,
                              c->desc[p], o.magic);
-        o.name[sizeof o.name - 1] = '\0';
         ddp_shm_seg *seg = NULL;
         shm_ack a = {ACK_MAGIC, 0};
         if (o.ok && !disabled && ddp_shm_seg_open(o.name, &seg) == DDP_OK) a.ok = 1;
-        st = ddp_link_send(c->links[p], &a, sizeof a, w);
+        unsigned char ack[ACK_BYTES];
+        ack_encode(&a, ack);
+        st = ddp_link_send(c->links[p], ack, sizeof ack, w);
         if (st != DDP_OK) {
             ddp_shm_seg_close(seg);
             return ddp_error_prefix(st, "rank %d acknowledging %s's shared-memory offer: ",
@@ -112,7 +150,9 @@ static ddp_status collect_acks(ddp_comm *c, pending *pend, ddp_wait w) {
     for (int p = c->rank + 1; p < c->size; p++) {
         if (!same_host(c, p)) continue;
         shm_ack a;
-        ddp_status st = ddp_link_recv(c->links[p], &a, sizeof a, w);
+        unsigned char ack[ACK_BYTES] = {0};
+        ddp_status st = ddp_link_recv(c->links[p], ack, sizeof ack, w);
+        ack_decode(ack, &a);
         ddp_shm_unlink(pend[p].name);
         pend[p].name[0] = '\0';
         if (st != DDP_OK)

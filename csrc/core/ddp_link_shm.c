@@ -232,11 +232,12 @@ static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done
 static int cma_probe_peer(const shm_hdr *h, int side) {
 #ifdef __linux__
     int peer = 1 - side;
-    if (!ddp_setting_int("PYDDP_SHM_CMA") || h->pid[peer] <= 0) return 0;
+    const int64_t pid = (int64_t)ddp_le_get64(h->pid[peer]);
+    if (!ddp_setting_int("PYDDP_SHM_CMA") || pid <= 0) return 0;
     uint64_t got = 0;
     struct iovec lo = {&got, sizeof got};
-    struct iovec re = {(void *)(uintptr_t)h->probe[peer], sizeof got};
-    return process_vm_readv((pid_t)h->pid[peer], &lo, 1, &re, 1, 0) == (ssize_t)sizeof got &&
+    struct iovec re = {(void *)(uintptr_t)ddp_le_get64(h->probe[peer]), sizeof got};
+    return process_vm_readv((pid_t)pid, &lo, 1, &re, 1, 0) == (ssize_t)sizeof got &&
            got == SHM_PROBE;
 #else
     (void)h;
@@ -269,8 +270,8 @@ static ddp_status desc_progress(shm_impl *s, size_t *done) {
 static ddp_status desc_post(shm_impl *s, const uint8_t *src, size_t len, size_t *done) {
     shm_desc *d = &s->h->desc[s->side];
     atomic_store_explicit(&d->copied, 0, memory_order_relaxed);
-    d->addr = (uint64_t)(uintptr_t)src;
-    d->len = len;
+    ddp_le_put64(d->addr, (uint64_t)(uintptr_t)src);
+    ddp_le_put64(d->len, len);
     s->desc_active = 1;
     s->desc_len = len;
     s->desc_reported = 0;
@@ -285,8 +286,8 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
     shm_desc *d = &s->h->desc[1 - s->side];
     if (s->rx_desc_seen != posted) {
         s->rx_desc_seen = posted;
-        s->rx_addr = d->addr;
-        s->rx_len = d->len;
+        s->rx_addr = ddp_le_get64(d->addr);
+        s->rx_len = ddp_le_get64(d->len);
         s->rx_copied = 0;
     }
     size_t k = (size_t)(s->rx_len - s->rx_copied);
@@ -297,7 +298,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
 #ifdef __linux__
     struct iovec lo = {dst, k};
     struct iovec re = {(void *)(uintptr_t)(s->rx_addr + s->rx_copied), k};
-    r = process_vm_readv((pid_t)s->h->pid[1 - s->side], &lo, 1, &re, 1, 0);
+    r = process_vm_readv((pid_t)ddp_le_get64(s->h->pid[1 - s->side]), &lo, 1, &re, 1, 0);
     err = errno;
 #endif
     /* A peer that shut down may already have released the buffer: whatever
@@ -309,7 +310,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
     if (r <= 0)
         return ddp_error(DDP_ERR_SYS, "copying %zu bytes out of the peer process %lld with "
                          "process_vm_readv failed: %s (PYDDP_SHM_CMA=0 turns this path off)",
-                         k, (long long)s->h->pid[1 - s->side], strerror(err));
+                         k, (long long)ddp_le_get64(s->h->pid[1 - s->side]), strerror(err));
     s->rx_copied += (uint64_t)r;
     *done += (size_t)r;
     if (s->rx_copied == s->rx_len) s->rx_desc_done = posted;
@@ -409,7 +410,7 @@ ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int p
     s->seg = seg;
     s->h = h;
     s->side = side ? 1 : 0;
-    s->cap = (size_t)h->ring_bytes;
+    s->cap = (size_t)ddp_le_get64(h->ring_bytes);
     s->mask = s->cap - 1;
     s->tx = data + (size_t)s->side * s->cap;
     s->rx = data + (size_t)(1 - s->side) * s->cap;

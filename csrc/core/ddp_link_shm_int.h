@@ -7,12 +7,22 @@
  * ring_bytes each. Ring d carries side d -> side 1-d; side 0 created the
  * segment. Fields written by one process and read by the other are atomics
  * on their own cache lines, grouped by writer.
+ *
+ * Byte order: the plain fields (identity, descriptors) are little-endian
+ * byte arrays, read and written with ddp_le.h like every other structure
+ * that crosses a process boundary. The atomic counters and flags cannot be:
+ * they are the CPU's own words, which is sound because both processes run on
+ * one host (equal host identity, boot id included) and so one byte order.
+ * The layout is pinned by the _Static_asserts below; changing it means a new
+ * SHM_VERSION.
  */
 #ifndef DDP_LINK_SHM_INT_H
 #define DDP_LINK_SHM_INT_H
 
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
+#include "ddp_le.h"
 #include "ddp_link_shm.h"
 
 #define SHM_MAGIC 0x4d484444u      /* "DDHM" */
@@ -30,18 +40,18 @@ typedef struct shm_ring_ctl {
  * (process_vm_readv, "cross-memory attach"): one copy instead of two. */
 typedef struct shm_desc {
     _Alignas(64) _Atomic uint64_t posted;  /* descriptors posted (sender) */
-    uint64_t addr, len;                    /* the current one, sender's address space */
+    unsigned char addr[8], len[8];         /* the current one (LE u64), sender's address space */
     _Alignas(64) _Atomic uint64_t copied;  /* bytes of it copied so far (receiver) */
     _Atomic uint64_t finished;             /* descriptors fully copied (receiver) */
 } shm_desc;
 
 typedef struct shm_hdr {
-    uint32_t magic;
-    uint32_t version;
-    uint64_t ring_bytes;
-    uint64_t total_bytes;
-    int64_t pid[2];                            /* process of side s */
-    uint64_t probe[2];                         /* address of SHM_PROBE in side s */
+    unsigned char magic[4];                    /* LE u32, written last by the creator */
+    unsigned char version[4];                  /* LE u32 */
+    unsigned char ring_bytes[8];               /* LE u64; checked once at open, then unused */
+    unsigned char total_bytes[8];              /* LE u64 */
+    unsigned char pid[2][8];                   /* LE i64: process of side s */
+    unsigned char probe[2][8];                 /* LE u64: address of SHM_PROBE in side s */
     _Alignas(64) _Atomic uint32_t closed[2];   /* side s has shut down */
     _Atomic uint32_t cma_ok[2];                /* receiver of ring d can read side d */
     _Alignas(64) _Atomic uint32_t bell[2];     /* futex word side s parks on */
@@ -51,6 +61,16 @@ typedef struct shm_hdr {
 } shm_hdr;
 
 _Static_assert(sizeof(_Atomic uint64_t) == 8, "64-bit atomics must be plain words");
+_Static_assert(offsetof(shm_hdr, version) == 4 && offsetof(shm_hdr, ring_bytes) == 8 &&
+               offsetof(shm_hdr, total_bytes) == 16 && offsetof(shm_hdr, pid) == 24 &&
+               offsetof(shm_hdr, probe) == 40 && offsetof(shm_hdr, closed) == 64 &&
+               offsetof(shm_hdr, cma_ok) == 72 && offsetof(shm_hdr, bell) == 128 &&
+               offsetof(shm_hdr, sleeping) == 136 && offsetof(shm_hdr, ring) == 192 &&
+               offsetof(shm_hdr, desc) == 448 && sizeof(shm_hdr) == 704,
+               "shared-memory header layout (SHM_VERSION 3)");
+_Static_assert(offsetof(shm_desc, addr) == 8 && offsetof(shm_desc, len) == 16 &&
+               offsetof(shm_desc, copied) == 64 && sizeof(shm_desc) == 128,
+               "shared-memory descriptor layout (SHM_VERSION 3)");
 
 #define DATA_OFFSET ((sizeof(shm_hdr) + 4095) & ~(size_t)4095)
 

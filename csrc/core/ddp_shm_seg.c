@@ -21,8 +21,8 @@ static const volatile uint64_t cma_probe = SHM_PROBE;
 
 /* Record this process as side `side` (pid and probe address, for CMA). */
 static void seg_register(ddp_shm_seg *s, int side) {
-    s->hdr->pid[side] = (int64_t)getpid();
-    s->hdr->probe[side] = (uint64_t)(uintptr_t)&cma_probe;
+    ddp_le_put64(s->hdr->pid[side], (uint64_t)(int64_t)getpid());
+    ddp_le_put64(s->hdr->probe[side], (uint64_t)(uintptr_t)&cma_probe);
 }
 
 /* The setting is bounded to [RING_MIN, RING_MAX] by its declaration; the
@@ -89,12 +89,12 @@ ddp_status ddp_shm_seg_create(size_t ring_bytes, char name_out[DDP_SHM_NAME_MAX]
     s->hdr = p;
     s->map_len = len;
     /* Fresh tmpfs pages are zero: counters and flags start at 0. */
-    s->hdr->ring_bytes = ring_bytes;
-    s->hdr->total_bytes = len;
+    ddp_le_put64(s->hdr->ring_bytes, ring_bytes);
+    ddp_le_put64(s->hdr->total_bytes, len);
     seg_register(s, 0);
-    s->hdr->version = SHM_VERSION;
+    ddp_le_put32(s->hdr->version, SHM_VERSION);
     atomic_thread_fence(memory_order_release);
-    s->hdr->magic = SHM_MAGIC;
+    ddp_le_put32(s->hdr->magic, SHM_MAGIC);
     *out = s;
     return DDP_OK;
 }
@@ -118,12 +118,13 @@ ddp_status ddp_shm_seg_open(const char *name, ddp_shm_seg **out) {
         return ddp_error(DDP_ERR_SYS, "mmap of shared-memory segment %s failed: %s", name,
                          strerror(err));
     shm_hdr *h = p;
-    if (h->magic != SHM_MAGIC || h->version != SHM_VERSION || h->total_bytes != len ||
-        seg_len(h->ring_bytes) != len || h->ring_bytes < RING_MIN ||
-        (h->ring_bytes & (h->ring_bytes - 1)) != 0) {
+    const uint32_t magic = ddp_le_get32(h->magic), version = ddp_le_get32(h->version);
+    const uint64_t ring = ddp_le_get64(h->ring_bytes), total = ddp_le_get64(h->total_bytes);
+    if (magic != SHM_MAGIC || version != SHM_VERSION || total != len || ring < RING_MIN ||
+        ring > RING_MAX || (ring & (ring - 1)) != 0 || seg_len((size_t)ring) != len) {
         munmap(p, len);
         return ddp_error(DDP_ERR_PROTOCOL, "shared-memory segment %s has a bad header "
-                         "(magic %#x, version %u)", name, h->magic, h->version);
+                         "(magic %#x, version %u)", name, (unsigned)magic, (unsigned)version);
     }
     ddp_shm_seg *s = malloc(sizeof *s);
     if (s == NULL) {
