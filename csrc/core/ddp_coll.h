@@ -6,10 +6,11 @@
  * thread in call order, and shuts every link down after any failure so that
  * peers blocked on this rank fail fast instead of waiting for the timeout.
  *
- * Every collective starts with a 32-byte header (kind, dtype, op, root, count,
- * sequence number) that each rank checks against its peers' (on the latency
- * path it travels with the data), so ranks that call different collectives,
- * or the same one with different counts, dtypes, ops or roots, all fail with
+ * Every collective starts with a 40-byte header (kind, dtype, op, root, count,
+ * sequence number, group tag) that each rank checks against its peers' (on
+ * the latency path it travels with the data), so ranks that call different
+ * collectives, or the same one with different counts, dtypes, ops or roots,
+ * or on different process groups (g->tag differs), all fail with
  * DDP_ERR_MISMATCH and a message naming both sides.
  *
  * Buffer conventions (count is always in elements of dtype):

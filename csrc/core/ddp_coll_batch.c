@@ -167,7 +167,7 @@ static ddp_status count_check(int lo, uint64_t lo_cnt, int hi, uint64_t hi_cnt) 
 /* Step 1's header check for one pair (after the headers arrived). */
 static ddp_status header_check(const ddp_group *g, const ddp_coll_hdr *h, const pair *p) {
     ddp_coll_hdr ph, mine = *h;
-    ddp_status st = ddp_coll_hdr_parse(p->in, p->peer, &ph);
+    ddp_status st = ddp_coll_hdr_parse(p->in, p->peer, h, &ph);
     if (st != DDP_OK) return st;
     mine.root = p->peer;
     mine.count = (uint64_t)p->ns << 32 | p->nr;

@@ -16,7 +16,7 @@
 #include "ddp_le.h"
 
 #define DDP_COLL_MAGIC 0x4c4f4344u /* "DCOL" little-endian */
-#define DDP_COLL_HDR_BYTES 32
+#define DDP_COLL_HDR_BYTES 40
 #define DDP_COLL_DEFAULT_CHUNK (1u << 20)
 #define DDP_COLL_SCRATCH_KEEP ((size_t)64 << 20) /* scratch kept between calls */
 
@@ -26,7 +26,7 @@
 #define DDP_COLL_PATH_LARGE 2
 
 /* The header every collective exchanges, in host form. On the wire it is
- * these fields in this order, little-endian, 32 bytes (the codec in
+ * these fields in this order, little-endian, 40 bytes (the codec in
  * ddp_coll_xchg.c lists the offsets and asserts the size). Fields that do not
  * apply to a kind are zero (op outside reductions, root outside rooted
  * kinds, everything but kind, path and seq for barrier), so headers
@@ -38,12 +38,12 @@ typedef struct ddp_coll_hdr {
     uint32_t rank;   /* sender */
     uint64_t count;
     uint64_t seq;    /* g->seq of the sender (not advanced by send/recv) */
+    uint64_t tag;    /* g->tag: which process group the call is on */
 } ddp_coll_hdr;
-_Static_assert(sizeof(ddp_coll_hdr) == DDP_COLL_HDR_BYTES, "collective header must be 32 bytes");
 
 /* What one exchange carries: every rank sends one message to each peer and
  * receives one from each peer (or only to/from `peer` for send/recv). A
- * message is the 32-byte header followed by an optional payload. */
+ * message is the 40-byte header followed by an optional payload. */
 typedef struct ddp_coll_xchg {
     int peer;            /* -1: every other rank; else only this rank */
     const void *sbase;   /* payload to send (NULL when sbytes == 0) */
@@ -76,9 +76,12 @@ static inline int ddp_coll_is_half(ddp_dtype t) {
 /* The header this rank sends for a (validated) call taking `path`. */
 ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path);
 /* Wire form of a header (DDP_COLL_HDR_BYTES), and back: parse fails with
+ * DDP_ERR_MISMATCH ("different process groups", both calls named) if `in`
+ * carries another group tag than `mine` (this rank's own header), else with
  * DDP_ERR_PROTOCOL unless `in` is a header sent by rank p. */
 void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out);
-ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, ddp_coll_hdr *h);
+ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, const ddp_coll_hdr *mine,
+                              ddp_coll_hdr *h);
 /* "all_reduce(count=10, float32, sum)" for a header, into buf. */
 void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len);
 

@@ -1,4 +1,4 @@
-/* ddp_coll_xchg.c - the 32-byte collective header and the exchange that
+/* ddp_coll_xchg.c - the 40-byte collective header and the exchange that
  * starts every collective: each rank sends [header][payload] to every peer
  * and receives the same from each, so every rank sees every rank's header
  * and can name exactly who called what when calls differ.
@@ -29,7 +29,8 @@ enum {
     HDR_RANK = 12,  /* u32 */
     HDR_COUNT = 16, /* u64 */
     HDR_SEQ = 24,   /* u64 */
-    HDR_END = 32
+    HDR_TAG = 32,   /* u64: the group's tag */
+    HDR_END = 40
 };
 _Static_assert(HDR_END == DDP_COLL_HDR_BYTES, "the header's fields must fill DDP_COLL_HDR_BYTES");
 
@@ -43,6 +44,7 @@ static void hdr_encode(const ddp_coll_hdr *h, unsigned char *out) {
     ddp_le_put32(out + HDR_RANK, h->rank);
     ddp_le_put64(out + HDR_COUNT, h->count);
     ddp_le_put64(out + HDR_SEQ, h->seq);
+    ddp_le_put64(out + HDR_TAG, h->tag);
 }
 
 static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
@@ -55,13 +57,14 @@ static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
     h->rank = ddp_le_get32(in + HDR_RANK);
     h->count = ddp_le_get64(in + HDR_COUNT);
     h->seq = ddp_le_get64(in + HDR_SEQ);
+    h->tag = ddp_le_get64(in + HDR_TAG);
 }
 
 void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out) { hdr_encode(h, out); }
 
 ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path) {
     ddp_coll_hdr h = {.magic = DDP_COLL_MAGIC, .kind = (uint8_t)a->kind, .path = (uint8_t)path,
-                      .rank = (uint32_t)g->rank, .seq = g->seq};
+                      .rank = (uint32_t)g->rank, .seq = g->seq, .tag = g->tag};
     if (a->kind == DDP_COLL_BARRIER) return h;
     h.dtype = (uint8_t)a->dtype;
     h.count = a->count;
@@ -105,12 +108,31 @@ void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len) {
 
 /* ---- header checks -------------------------------------------------------- */
 
-static ddp_status hdr_read(const ddp_coll_xres *r, int p, ddp_coll_hdr *h) {
-    return ddp_coll_hdr_parse(r->slots + (size_t)p * r->slot_len, p, h);
+static ddp_status hdr_read(const ddp_coll_xres *r, int p, const ddp_coll_hdr *mine,
+                           ddp_coll_hdr *h) {
+    return ddp_coll_hdr_parse(r->slots + (size_t)p * r->slot_len, p, mine, h);
 }
 
-ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, ddp_coll_hdr *h) {
+/* The group tag is checked before the sender's rank: a rank that called on
+ * another group (a subgroup over the same links, or its parent) numbers the
+ * ranks differently, and "different process groups" is the real cause. */
+ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, const ddp_coll_hdr *mine,
+                              ddp_coll_hdr *h) {
     hdr_decode(in, h);
+    if (h->magic == DDP_COLL_MAGIC && h->tag != mine->tag) {
+        char dh[160], dm[160];
+        ddp_coll_describe(h, dh, sizeof dh);
+        ddp_coll_describe(mine, dm, sizeof dm);
+        char renum[80] = "";
+        if (h->rank != (uint32_t)p)
+            snprintf(renum, sizeof renum, " (rank %d is rank %u of the group it called on)", p,
+                     (unsigned)h->rank);
+        return ddp_error(DDP_ERR_MISMATCH, "process group mismatch: rank %d called %s on group "
+                         "tag 0x%016llx but rank %u called %s on group tag 0x%016llx%s; the "
+                         "ranks called the collective on different process groups (every rank "
+                         "must call it on the same group)", p, dh, (unsigned long long)h->tag,
+                         (unsigned)mine->rank, dm, (unsigned long long)mine->tag, renum);
+    }
     if (h->magic != DDP_COLL_MAGIC || h->rank != (uint32_t)p)
         return ddp_error(DDP_ERR_PROTOCOL, "rank %d sent bytes that are not a collective header "
                          "(magic 0x%08x, rank %u); do all ranks run the same pyddp version?", p,
@@ -155,7 +177,7 @@ static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
     ddp_coll_hdr first, h;
     ddp_status st;
     if (x->peer >= 0) {
-        if ((st = hdr_read(r, x->peer, &h)) != DDP_OK) return st;
+        if ((st = hdr_read(r, x->peer, mine, &h)) != DDP_OK) return st;
         ddp_coll_hdr want = *mine;
         want.kind = mine->kind == DDP_COLL_SEND ? DDP_COLL_RECV : DDP_COLL_SEND;
         want.root = g->rank;
@@ -166,7 +188,7 @@ static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
     for (int p = 0; p < g->size; p++) {
         if (p == g->rank)
             h = *mine;
-        else if ((st = hdr_read(r, p, &h)) != DDP_OK)
+        else if ((st = hdr_read(r, p, mine, &h)) != DDP_OK)
             return st;
         if (p == 0)
             first = h;

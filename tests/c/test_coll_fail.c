@@ -2,8 +2,9 @@
  * communication, mismatched calls detected and named on every rank (on both
  * paths, and when the mismatched calls take different paths), a rank that
  * dies mid-collective making every other rank fail fast with
- * DDP_ERR_CLOSED, a short deadline giving DDP_ERR_TIMEOUT, and the abort
- * flag giving DDP_ERR_ABORTED. */
+ * DDP_ERR_CLOSED, a short deadline giving DDP_ERR_TIMEOUT, the abort
+ * flag giving DDP_ERR_ABORTED, and calls on different process groups (group
+ * tags differ, also for a subgroup over its parent's links) named as such. */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -167,6 +168,98 @@ static void test_sequence_and_path_mismatch(void) {
     printf("sequence and path mismatch: ok\n");
 }
 
+/* ---- different process groups ---------------------------------------------------- */
+
+/* Parent group: ranks 0..2 (tag 0xaa). Subgroup: parent ranks 1 and 2 as its
+ * ranks 0 and 1, over the parent's link between them (tag 0xbb). Parent
+ * rank 1 calls on the subgroup while ranks 0 and 2 call on the parent. */
+typedef struct wrong_group {
+    ddp_group sub[2]; /* the subgroup's view on parent ranks 1 and 2 */
+    ddp_link *sub_links[2][2];
+    ddp_status st[3];
+    char msg[3][2048];
+} wrong_group;
+
+static void wrong_group_rank(hworld *w, int r, void *arg) {
+    wrong_group *wg = arg;
+    float buf[10] = {0};
+    ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                       .count = 10, .buf = buf};
+    ddp_group *g = r == 1 ? &wg->sub[0] : &w->g[r];
+    ddp_status st = ddp_coll_validate(g, &a);
+    if (st == DDP_OK) st = ddp_coll_run(g, &a, ddp_wait_for(H_DEADLINE_MS, NULL));
+    if (st != DDP_OK) hbreak(w, r);
+    wg->st[r] = st;
+    ddp_copy_error(wg->msg[r], sizeof wg->msg[r]);
+}
+
+static void expect_text(int r, ddp_status st, ddp_status want, const char *msg, const char *text) {
+    if (st != want || !strstr(msg, text)) {
+        fprintf(stderr, "rank %d: %s: \"%s\"; expected %s with \"%s\"\n", r,
+                ddp_status_name(st), msg, ddp_status_name(want), text);
+        exit(1);
+    }
+}
+
+static void test_group_tags(void) {
+    const char *groups = "the ranks called the collective on different process groups";
+    const ddp_coll_args ar = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                              .count = 10};
+    for (int path = 0; path < 2; path++) {
+        /* same links, rank 1's group has another tag: every rank names it */
+        hworld w;
+        const ddp_coll_args calls[3] = {ar, ar, ar};
+        hworld_init(&w, 3, path ? 0 : 1 << 20, 256);
+        for (int r = 0; r < 3; r++) w.g[r].tag = r == 1 ? 0xbb : 0xaa;
+        mm m;
+        memcpy(m.a, calls, sizeof calls);
+        hrun(&w, mm_rank, &m);
+        expect_text(0, m.st[0], DDP_ERR_MISMATCH, m.msg[0],
+                    "process group mismatch: rank 1 called all_reduce(count=10, float32, sum) on "
+                    "group tag 0x00000000000000bb but rank 0 called all_reduce(count=10, float32, "
+                    "sum) on group tag 0x00000000000000aa; the ranks called the collective on "
+                    "different process groups");
+        expect_text(1, m.st[1], DDP_ERR_MISMATCH, m.msg[1],
+                    "rank 0 called all_reduce(count=10, float32, sum) on group tag "
+                    "0x00000000000000aa but rank 1 called");
+        expect_text(2, m.st[2], DDP_ERR_MISMATCH, m.msg[2], groups);
+        hworld_free(&w);
+
+        /* send/recv between groups */
+        ddp_coll_args p2p[2] = {{.kind = DDP_COLL_SEND, .dtype = DDP_FLOAT32, .count = 5, .root = 1},
+                                {.kind = DDP_COLL_RECV, .dtype = DDP_FLOAT32, .count = 5, .root = 0}};
+        hworld_init(&w, 2, path ? 0 : 1 << 20, 256);
+        w.g[1].tag = 7;
+        run_mismatch(&w, p2p, groups);
+    }
+
+    /* a subgroup over the parent's links: two ddp_group sets, two tags */
+    hworld w;
+    wrong_group wg;
+    memset(&wg, 0, sizeof wg);
+    hworld_init(&w, 3, 1 << 20, 256);
+    for (int r = 0; r < 3; r++) w.g[r].tag = 0xaa;
+    for (int s = 0; s < 2; s++) {
+        wg.sub_links[s][1 - s] = w.links[1 + s][2 - s]; /* borrowed: freed with w */
+        wg.sub[s] = (ddp_group){.rank = s, .size = 2, .links = wg.sub_links[s], .tag = 0xbb,
+                                .small_bytes = 1 << 20, .chunk_bytes = 256};
+    }
+    hrun(&w, wrong_group_rank, &wg);
+    /* parent rank 2 sees subgroup rank 0 (parent rank 1) on the other tag */
+    expect_text(2, wg.st[2], DDP_ERR_MISMATCH, wg.msg[2],
+                "rank 1 called all_reduce(count=10, float32, sum) on group tag 0x00000000000000bb "
+                "but rank 2 called all_reduce(count=10, float32, sum) on group tag "
+                "0x00000000000000aa (rank 1 is rank 0 of the group it called on)");
+    expect_text(1, wg.st[1], DDP_ERR_MISMATCH, wg.msg[1],
+                "(rank 1 is rank 2 of the group it called on)");
+    /* parent rank 0 waited for rank 1, which never sent to it: it fails as
+     * the others break their links, not at the deadline */
+    T_ASSERT(wg.st[0] == DDP_ERR_CLOSED);
+    for (int s = 0; s < 2; s++) ddp_group_release_scratch(&wg.sub[s]);
+    hworld_free(&w);
+    printf("calls on different process groups: ok\n");
+}
+
 /* ---- a rank dying mid-collective ---------------------------------------------- */
 
 typedef struct dying {
@@ -205,7 +298,7 @@ static void test_dying_rank(void) {
         hworld_init(&w, 4, 0, 4096);
         /* mid ring: rank 3's link to its ring successor breaks after the
          * header and 20 KB of reduce-scatter data */
-        if (!skip) w.links[3][0] = hwrap_new(w.links[3][0], 32 + 20000, 0);
+        if (!skip) w.links[3][0] = hwrap_new(w.links[3][0], 40 + 20000, 0);
         hrun(&w, dying_rank, &d);
         for (int r = 0; r < 3; r++) {
             if (d.st[r] != DDP_ERR_CLOSED || !strstr(d.msg[r], "by the peer") ||
@@ -279,6 +372,7 @@ int main(void) {
     test_validate();
     test_mismatch();
     test_sequence_and_path_mismatch();
+    test_group_tags();
     test_dying_rank();
     test_timeout_and_abort();
     printf("test_coll_fail: ok\n");
