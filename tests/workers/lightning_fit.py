@@ -1,0 +1,118 @@
+"""Worker for tests/test_lightning.py: the same LightningModule fitted and tested twice in
+the same processes, first with Lightning's stock "ddp" strategy on CPU (gloo), then
+with "ddp_pyddp" (Lightning's DDPStrategy over the "pyddp" torch backend), each from the
+same seed; the process group is destroyed in between.
+
+Run under torchrun (Lightning detects TorchElasticEnvironment and starts nothing) or as
+plain ``python lightning_fit.py --devices N`` (Lightning's own launcher re-runs this
+script for the other ranks). Rank 0 prints one line per strategy:
+``RESULT {json}`` with the final weights, every logged metric (train with sync_dist
+means, an integer mean, test metrics), the sampler class Lightning injected and a
+checkpoint round trip.
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+import pyddp.lightning  # noqa: F401 - registers "ddp_pyddp"
+from pyddp._torch_pg import ProcessGroupPyddp
+
+SEEN = set()       # (dtype, op) of every all_reduce that reached the pyddp group
+_allreduce = ProcessGroupPyddp.allreduce
+
+
+def _spy(self, tensors, opts=None):
+    for t in tensors:
+        SEEN.add((str(t.dtype), str(opts.reduceOp.op) if opts is not None else "SUM"))
+    return _allreduce(self, tensors, opts)
+
+
+ProcessGroupPyddp.allreduce = _spy
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        # an integer metric averaged across ranks (Lightning sends AVG on it as is)
+        self.log("rank_code", torch.tensor(3 * self.global_rank + idx % 2), sync_dist=True,
+                 reduce_fx="mean", on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch, idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
+        self.log("test_abs", (self(x) - y).abs().mean(), sync_dist=True, reduce_fx="max")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def loaders():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 6, generator=g)        # 200 = not a multiple of 3 ranks * 8
+    y = (x @ torch.linspace(-1, 1, 6)).unsqueeze(1) + 0.1 * torch.randn(200, 1, generator=g)
+    ds = TensorDataset(x, y)
+    return (DataLoader(ds, batch_size=8, shuffle=True),
+            DataLoader(TensorDataset(x[:64], y[:64]), batch_size=8))
+
+
+def fit(strategy, devices, out):
+    pl.seed_everything(0, workers=True, verbose=False)
+    model = Regressor()
+    ckpt = ModelCheckpoint(dirpath=os.path.join(out, strategy), save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3,
+                         logger=False, callbacks=[ckpt], enable_progress_bar=False,
+                         enable_model_summary=False, deterministic=True)
+    train, val = loaders()
+    trainer.fit(model, train, val)
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    sampler = type(trainer.train_dataloader.sampler).__name__
+    backend = dist.get_backend()
+    tested = trainer.test(model, val, verbose=False)[0]
+    restored = Regressor.load_from_checkpoint(ckpt.last_model_path)
+    same = all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(),
+                                                 model.state_dict().values()))
+    result = {"strategy": strategy, "backend": backend, "world": trainer.world_size,
+              "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+              "metrics": metrics, "test": tested, "sampler": sampler,
+              "checkpoint_round_trip": same, "allreduce_kinds": sorted(SEEN)}
+    if trainer.global_rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategies", default="ddp,ddp_pyddp")
+    a = p.parse_args()
+    devices = a.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    for strategy in a.strategies.split(","):
+        fit(strategy, devices, a.out)
+
+
+if __name__ == "__main__":
+    main()
