@@ -13,8 +13,8 @@ Importing pyddp never imports torch; NumPy is the only requirement.
 from ._version import __version__
 from . import _C
 from ._C import (BackendUnavailableError, CollectiveMismatchError, DistBackendError,
-                 DistError, DistNetworkError, DistStoreError, DistTimeoutError,
-                 DistTypeError, DistValueError, VersionMismatchError)
+                 DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError,
+                 DistTimeoutError, DistTypeError, DistValueError, VersionMismatchError)
 from ._group import (WORLD, destroy_process_group, get_backend, get_local_rank,
                      get_local_world_size, get_rank, get_world_size, group,
                      init_process_group, is_available, is_initialized)

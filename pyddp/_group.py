@@ -327,7 +327,7 @@ def _file_store(path, rank, timeout_s):
             if store.get("pyddp_file_nonce").decode() == nonce:
                 return store
             last = "the file names a store of another run"
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, _C.DistStoreError) as e:
             last = str(e) or type(e).__name__
         time.sleep(0.1)
     raise _C.DistTimeoutError(f"rank {rank}: file rendezvous through {path} did not complete "

@@ -15,7 +15,7 @@ Python-level conventions:
 import time
 from datetime import timedelta
 
-from ._C import (DistError, DistNetworkError, DistTimeoutError, DistTypeError,
+from ._C import (DistError, DistNetworkError, DistStoreTimeoutError, DistTypeError,
                  DistValueError, StoreClient, StoreServer)
 
 __all__ = ["TCPStore"]
@@ -64,8 +64,11 @@ class TCPStore:
             its own socket, and there is a single server implementation.
 
     Raises DistNetworkError (a ConnectionError) when the server cannot be reached or
-    the port cannot be bound, DistTimeoutError (a TimeoutError) when ``get``/``wait``
-    or the worker count time out, DistValueError/DistTypeError for bad arguments.
+    the port cannot be bound; DistStoreError when a request fails because the server
+    sent garbage or closed the connection, or the store was closed (also from another
+    thread, which wakes a ``get``/``wait`` in progress); DistStoreTimeoutError, both a
+    DistStoreError (as torch raises) and a DistTimeoutError/TimeoutError, when a request
+    or the worker count times out; DistValueError/DistTypeError for bad arguments.
     """
 
     def __init__(self, host_name, port, world_size=None, is_master=False,
@@ -111,7 +114,7 @@ class TCPStore:
             if joined >= world_size:
                 return
             if time.monotonic() >= deadline:
-                raise DistTimeoutError(
+                raise DistStoreTimeoutError(
                     f"TCPStore master on port {self._port}: timed out after "
                     f"{self._timeout_ms / 1000.0:.1f} s waiting for workers: {joined} of "
                     f"{world_size} joined. Check that every worker was started and can reach "
@@ -190,7 +193,9 @@ class TCPStore:
         return timedelta(milliseconds=self._timeout_ms)
 
     def close(self):
-        """Close the connection and, on the master, stop the server. Idempotent."""
+        """Close the connection and, on the master, stop the server. Idempotent and
+        safe from another thread or a signal handler: a request in progress fails at
+        once with DistStoreError."""
         self._client.close()
         if self._server is not None:
             self._server.stop()

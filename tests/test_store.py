@@ -131,11 +131,15 @@ def test_torch_server_pyddp_client(use_libuv):
             exercise(client, master, "p2/")
             exercise(master, client, "p1/")
             err = wait_timeout_then_reuse(client, _C.DistTimeoutError)
-            assert isinstance(err, TimeoutError)
+            # torch raises DistStoreError for store timeouts; pyddp code catches
+            # TimeoutError: the class is both
+            assert isinstance(err, TimeoutError) and isinstance(err, _C.DistStoreError)
+            assert type(err) is _C.DistStoreTimeoutError
             assert "'/never'" in str(err) and f"127.0.0.1:{master.port}" in str(err)
             client.set_timeout(SHORT)
-            with pytest.raises(_C.DistTimeoutError):
+            with pytest.raises(_C.DistStoreError) as ei:
                 client.get("never")   # uses the store's timeout
+            assert isinstance(ei.value, TimeoutError)
             client.set_timeout(T)
             assert client.get("after_timeout") == b"ok"
         finally:
@@ -178,7 +182,7 @@ def test_world_size_handshake_both_directions():
 def test_master_times_out_waiting_for_workers():
     def scenario():
         t0 = time.monotonic()
-        with pytest.raises(_C.DistTimeoutError, match="1 of 2 joined"):
+        with pytest.raises(_C.DistStoreTimeoutError, match="1 of 2 joined"):
             TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=SHORT)
         assert time.monotonic() - t0 < 5
     bounded(scenario)
@@ -383,10 +387,10 @@ def test_close_from_another_thread_wakes_a_waiting_get():
             assert not th.is_alive()
             assert time.monotonic() - t0 < 2
             err = box["error"]
-            assert isinstance(err, _C.DistError), repr(err)
-            assert not isinstance(err, TimeoutError), repr(err)
+            assert type(err) is _C.DistStoreError, repr(err)
+            assert not isinstance(err, (TimeoutError, ConnectionError)), repr(err)
             assert "was closed" in str(err) and f"127.0.0.1:{master.port}" in str(err)
-            with pytest.raises(_C.DistError, match="not connected"):
+            with pytest.raises(_C.DistStoreError, match="not connected"):
                 client.get("never")
             client.close()                      # idempotent
             master.set("still", "serving")
@@ -394,4 +398,90 @@ def test_close_from_another_thread_wakes_a_waiting_get():
         finally:
             client.close()
             master.close()
+    bounded(scenario)
+
+
+def fake_server(replies):
+    """A listening socket whose thread answers the handshake of each connection, then
+    sends that connection's entry of replies (bytes, or None: close it) after its next
+    request arrives. Returns (port, thread)."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+    lsock.settimeout(10)
+
+    def serve():
+        with lsock:
+            for reply in replies:
+                conn, _ = lsock.accept()
+                with conn:
+                    conn.settimeout(10)
+                    hello = b""
+                    while len(hello) < 10:               # VALIDATE + PING
+                        hello += conn.recv(10 - len(hello))
+                    conn.sendall(hello[6:10])
+                    conn.recv(4096)                      # the request under test
+                    if reply is not None:
+                        conn.sendall(reply)
+                        try:
+                            conn.recv(4096)              # until the client gives up
+                        except OSError:
+                            pass
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    return lsock.getsockname()[1], th
+
+
+def test_store_failures_raise_dist_store_error():
+    """A reply that is garbage, or a server that closes the connection mid-request,
+    raises DistStoreError (not a ConnectionError, not a timeout); the connection is
+    then unusable, and says so. A connect to a port nobody serves stays a
+    DistNetworkError (tested above)."""
+    def scenario():
+        port, th = fake_server([b"\x07", None])
+        for what in ("unexpected reply 7 to WAIT", "closed"):
+            s = TCPStore("127.0.0.1", port, timeout=T)
+            t0 = time.monotonic()
+            with pytest.raises(_C.DistStoreError) as ei:
+                s.wait(["k"])
+            assert time.monotonic() - t0 < 5
+            err = ei.value
+            assert not isinstance(err, (TimeoutError, ConnectionError)), repr(err)
+            assert what in str(err) and f"127.0.0.1:{port}" in str(err), str(err)
+            with pytest.raises(_C.DistStoreError, match="unusable"):
+                s.set("k", "v")
+            s.close()
+        th.join(10)
+        assert not th.is_alive()
+        # ADD to a key that is not a number: the pyddp server drops the client
+        with TCPStore("127.0.0.1", 0, is_master=True, timeout=T) as master:
+            master.set("text", "abc")
+            with pytest.raises(_C.DistStoreError, match="closed"):
+                master.add("text", 1)
+    bounded(scenario)
+
+
+def test_handshake_garbage_is_a_store_error():
+    """A port that answers the handshake with garbage is another service: DistStoreError
+    naming MASTER_PORT, at once (not a network error retried until the timeout)."""
+    def scenario():
+        lsock = socket.socket()
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(1)
+
+        def serve():
+            conn, _ = lsock.accept()
+            with conn:
+                conn.recv(10)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                time.sleep(0.5)
+        th = threading.Thread(target=serve, daemon=True)
+        th.start()
+        t0 = time.monotonic()
+        with pytest.raises(_C.DistStoreError, match="MASTER_PORT") as ei:
+            TCPStore("127.0.0.1", lsock.getsockname()[1], timeout=T)
+        assert not isinstance(ei.value, ConnectionError)
+        assert time.monotonic() - t0 < 5
+        th.join(10)
+        lsock.close()
     bounded(scenario)

@@ -25,6 +25,7 @@ const char *ddp_status_name(ddp_status st) {
     case DDP_ERR_SYS: return "DDP_ERR_SYS";
     case DDP_ERR_UNAVAILABLE: return "DDP_ERR_UNAVAILABLE";
     case DDP_ERR_INTERNAL: return "DDP_ERR_INTERNAL";
+    case DDP_ERR_STORE: return "DDP_ERR_STORE";
     }
     return "DDP_ERR_UNKNOWN";
 }

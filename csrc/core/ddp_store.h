@@ -12,7 +12,10 @@
  * another thread cannot free it mid-request. Timeouts are enforced by the
  * client: an expired WAIT sends CANCEL_WAIT and drains the reply, so the
  * connection stays usable afterwards. Returned buffers are malloc'd and
- * owned by the caller (free()).
+ * owned by the caller (free()). A request that fails because the server
+ * sent garbage, the connection broke or the client was closed returns
+ * DDP_ERR_STORE; the byte stream is then out of sync, so every later request
+ * fails too. Deadlines give DDP_ERR_TIMEOUT, aborts DDP_ERR_ABORTED.
  *
  * Server: a background thread that serves any number of connections with
  * poll(). A malformed, truncated or unknown request drops only that

@@ -11,6 +11,12 @@
  * reply, which may be a STOP_WAITING that raced the cancel), so an expired
  * wait leaves the connection usable.
  *
+ * Statuses: a request that fails because the server sent garbage, the
+ * connection broke or the client was closed returns DDP_ERR_STORE (the
+ * Python layer raises DistStoreError); a deadline gives DDP_ERR_TIMEOUT and
+ * an abort DDP_ERR_ABORTED, as everywhere else in the core. Connecting keeps
+ * the socket layer's DDP_ERR_CONNECT for network problems.
+ *
  * Closing does not take the request mutex (the request holding it may be a
  * WAIT with no deadline): it sets `closed` and shutdown()s the socket, which
  * makes the request's poll()/recv() return at once; the descriptor itself is
@@ -50,7 +56,7 @@ const char *ddp_store_peer(const ddp_store *s) { return s->peer; }
 
 /* The error of a request on a closed client. */
 static ddp_status closed_error(ddp_store *s) {
-    return ddp_error(DDP_ERR_CLOSED, "the store client for %s was closed (close() was "
+    return ddp_error(DDP_ERR_STORE, "the store client for %s was closed (close() was "
                      "called on it, from another thread or a signal handler)", s->peer);
 }
 
@@ -84,12 +90,16 @@ static ddp_status io_fail(ddp_store *s, ddp_status st) {
 
 /* Unlock and return st, prefixing a failure with the operation and server.
  * A failure while the client was being closed is reported as the close (the
- * socket error it caused says only "closed by the peer"). */
+ * socket error it caused says only "closed by the peer"). Broken streams
+ * (peer closed or reset, garbage, socket errors) become DDP_ERR_STORE;
+ * timeouts, aborts and out-of-memory keep their status. */
 static ddp_status done(ddp_store *s, ddp_status st, const char *op) {
     pthread_mutex_unlock(&s->mu);
     if (st == DDP_OK) return st;
+    if (st == DDP_ERR_CLOSED || st == DDP_ERR_PROTOCOL || st == DDP_ERR_SYS)
+        st = DDP_ERR_STORE;
     if (atomic_load(&s->closed)) {
-        st = ddp_error(DDP_ERR_CLOSED, "the store client was closed while this request "
+        st = ddp_error(DDP_ERR_STORE, "the store client was closed while this request "
                        "was in flight (close() was called on it, from another thread or "
                        "a signal handler)");
     }
@@ -106,7 +116,7 @@ static ddp_status begin(ddp_store *s, ddp_wait w, uint8_t q) {
     }
     if (s->broken) {
         pthread_mutex_unlock(&s->mu);
-        return ddp_error(DDP_ERR_CLOSED, "store connection to %s is unusable after an "
+        return ddp_error(DDP_ERR_STORE, "store connection to %s is unusable after an "
                          "earlier error: %s", s->peer, s->broken_msg);
     }
     s->req.start = s->req.len = 0;
@@ -177,6 +187,9 @@ ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store *
     if (st == DDP_OK) st = recv_exact(s, &echo, sizeof echo, w);
     if (st == DDP_OK && echo != nonce)
         st = ddp_error(DDP_ERR_PROTOCOL, "handshake reply did not echo the ping");
+    /* Garbage means the port is some other service: a store error. A closed or
+     * reset connection stays a network error (the caller may retry). */
+    if (st == DDP_ERR_PROTOCOL) st = DDP_ERR_STORE;
     pthread_mutex_unlock(&s->mu);
     if (st != DDP_OK) {
         ddp_error_prefix(st, "store handshake with %s failed (is MASTER_PORT the "

@@ -17,6 +17,10 @@
  * ddp_last_error()). Always returns NULL. */
 PyObject *ddp_py_raise(ddp_status st, const char *msg);
 
+/* ddp_py_raise for a failed store request: a timeout becomes
+ * DistStoreTimeoutError (a DistStoreError and a DistTimeoutError). */
+PyObject *ddp_py_raise_store(ddp_status st, const char *msg);
+
 /* Run fn(arg) on a helper thread while the calling thread waits with the GIL
  * released, waking every 100 ms to run Python's signal handlers. If a handler
  * raises (Ctrl-C), sets *abort so fn's waits end, waits for fn to return, and

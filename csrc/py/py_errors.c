@@ -7,8 +7,12 @@
  *       CollectiveMismatchError   ranks called different collectives
  *       BackendUnavailableError   NCCL/CUDA could not be loaded
  *     DistNetworkError(ConnectionError)   connect failed, peer closed/reset
- *     DistStoreError              the store misbehaved
+ *     DistStoreError              a store request failed (garbage reply,
+ *                                 lost connection, client closed)
  *     DistTimeoutError(TimeoutError)      a deadline passed
+ *       DistStoreTimeoutError(DistStoreError)  a store request timed out
+ * torch raises DistStoreError for store timeouts, code written for pyddp
+ * catches TimeoutError: DistStoreTimeoutError satisfies both.
  *     VersionMismatchError        ranks run different pyddp versions
  *   DistValueError(ValueError), DistTypeError(TypeError): bad arguments,
  *   raised before any communication.
@@ -19,7 +23,8 @@
 
 static PyObject *DistError, *DistBackendError, *CollectiveMismatchError,
     *BackendUnavailableError, *DistNetworkError, *DistStoreError,
-    *DistTimeoutError, *VersionMismatchError, *DistValueError, *DistTypeError;
+    *DistTimeoutError, *DistStoreTimeoutError, *VersionMismatchError, *DistValueError,
+    *DistTypeError;
 
 static PyObject *make_exc(PyObject *m, const char *name, PyObject *bases,
                           const char *doc) {
@@ -47,8 +52,8 @@ int ddp_py_errors_register(PyObject *m) {
     if (DistError != NULL) {  /* module re-initialised: re-export */
         PyObject *all[] = {DistError, DistBackendError, CollectiveMismatchError,
                            BackendUnavailableError, DistNetworkError, DistStoreError,
-                           DistTimeoutError, VersionMismatchError, DistValueError,
-                           DistTypeError};
+                           DistTimeoutError, DistStoreTimeoutError, VersionMismatchError,
+                           DistValueError, DistTypeError};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
             const char *dot = strrchr(((PyTypeObject *)all[i])->tp_name, '.');
             if (PyModule_AddObjectRef(m, dot + 1, all[i]) < 0) return -1;
@@ -70,10 +75,15 @@ int ddp_py_errors_register(PyObject *m) {
          PyTuple_Pack(2, DistError, PyExc_ConnectionError),
          "A connection could not be made, or a peer closed or reset it.");
     MAKE(DistStoreError, "DistStoreError", PyTuple_Pack(1, DistError),
-         "The key-value store failed.");
+         "A key-value store request failed: the server sent garbage or closed the "
+         "connection, or the store client was closed.");
     MAKE(DistTimeoutError, "DistTimeoutError",
          PyTuple_Pack(2, DistError, PyExc_TimeoutError),
          "A distributed operation did not finish before its timeout.");
+    MAKE(DistStoreTimeoutError, "DistStoreTimeoutError",
+         PyTuple_Pack(2, DistStoreError, DistTimeoutError),
+         "A key-value store request (get, wait, ...) did not finish before its "
+         "timeout. Both a DistStoreError (as torch raises) and a TimeoutError.");
     MAKE(VersionMismatchError, "VersionMismatchError", PyTuple_Pack(1, DistError),
          "Ranks run different pyddp or wire-protocol versions.");
     MAKE(DistValueError, "DistValueError", PyTuple_Pack(1, PyExc_ValueError),
@@ -99,9 +109,17 @@ PyObject *ddp_py_raise(ddp_status st, const char *msg) {
     case DDP_ERR_NOMEM: cls = PyExc_MemoryError; break;
     case DDP_ERR_UNAVAILABLE: cls = BackendUnavailableError; break;
     case DDP_ERR_ABORTED: cls = DistBackendError; break;
+    case DDP_ERR_STORE: cls = DistStoreError; break;
     default: cls = DistError; break;
     }
     if (cls == NULL) cls = PyExc_RuntimeError;
     PyErr_SetString(cls, msg && *msg ? msg : ddp_status_name(st));
+    return NULL;
+}
+
+PyObject *ddp_py_raise_store(ddp_status st, const char *msg) {
+    if (st != DDP_ERR_TIMEOUT || DistStoreTimeoutError == NULL) return ddp_py_raise(st, msg);
+    if (msg == NULL) msg = ddp_last_error();
+    PyErr_SetString(DistStoreTimeoutError, msg && *msg ? msg : ddp_status_name(st));
     return NULL;
 }

@@ -107,7 +107,7 @@ static void call_release(call *c) {
 static int call_do(ClientObject *self, call *c) {
     if (self->s == NULL) {
         call_release(c);
-        ddp_py_raise(DDP_ERR_CLOSED, "StoreClient is not connected (never connected, "
+        ddp_py_raise(DDP_ERR_STORE, "StoreClient is not connected (never connected, "
                      "or closed)");
         return -1;
     }
@@ -124,7 +124,7 @@ static int call_do(ClientObject *self, call *c) {
     ddp_store_release(c->s);
     c->s = NULL;
     if (rc == 0 && c->st != DDP_OK) {
-        ddp_py_raise(c->st, c->msg);
+        ddp_py_raise_store(c->st, c->msg);
         rc = -1;
     }
     if (rc < 0) call_release(c);
@@ -182,7 +182,7 @@ static PyObject *cl_connect(ClientObject *self, PyObject *args) {
         ddp_store_close(c.s);
         return NULL;
     }
-    if (c.st != DDP_OK) return ddp_py_raise(c.st, c.msg);
+    if (c.st != DDP_OK) return ddp_py_raise_store(c.st, c.msg);
     self->s = c.s;
     self->timeout_ms = timeout_ms;
     Py_RETURN_NONE;
@@ -360,7 +360,7 @@ static ddp_store *client_of(PyObject *obj) {
     }
     ClientObject *c = (ClientObject *)obj;
     if (c->s == NULL) {
-        ddp_py_raise(DDP_ERR_CLOSED, "the store client is not connected (never "
+        ddp_py_raise(DDP_ERR_STORE, "the store client is not connected (never "
                      "connected, or closed)");
         return NULL;
     }

@@ -4,7 +4,8 @@
  * requests arriving in pieces, and raw connections that send garbage,
  * unknown queries, absurd lengths or vanish mid-request, none of which may
  * disturb the server for other clients; closing a client while other
- * threads, holding their own references, are blocked in requests on it. */
+ * threads, holding their own references, are blocked in requests on it;
+ * DDP_ERR_STORE for garbage, a lost connection or a closed client. */
 #include <pthread.h>
 #include <string.h>
 #include <unistd.h>
@@ -264,7 +265,7 @@ static void test_server_survives_bad_clients(void) {
     ddp_store *s = client();
     T_OK(ddp_store_set(s, K("/text"), "abc", 3, W(5000)));
     int64_t r;
-    T_ASSERT(ddp_store_add(s, K("/text"), 1, &r, W(5000)) != DDP_OK);
+    T_STATUS(ddp_store_add(s, K("/text"), 1, &r, W(5000)), DDP_ERR_STORE);
     ddp_store_close(s);
 
     s = client();
@@ -372,7 +373,7 @@ static void test_client_cancel_race(void) {
     /* The fake server is gone: the next request fails and the client is
      * then unusable with the original reason. */
     T_ASSERT(ddp_store_num_keys(s, &n, W(2000)) != DDP_OK);
-    T_STATUS(ddp_store_num_keys(s, &n, W(2000)), DDP_ERR_CLOSED);
+    T_STATUS(ddp_store_num_keys(s, &n, W(2000)), DDP_ERR_STORE);
     T_ASSERT(strstr(ddp_last_error(), "unusable") != NULL);
     ddp_store_close(s);
     close(lfd);
@@ -415,7 +416,7 @@ static void test_close_wakes_blocked_requests(void) {
     for (int i = 0; i < NT; i++) pthread_join(th[i], NULL);
     T_ASSERT(ddp_now_ms() - t0 < 1000);   /* woken, not left to a deadline */
     for (int i = 0; i < NT; i++) {
-        T_STATUS(a[i].st, DDP_ERR_CLOSED);
+        T_STATUS(a[i].st, DDP_ERR_STORE);
         T_ASSERT(a[i].ms >= 250);
         T_ASSERT(strstr(a[i].msg, "was closed") != NULL);
         T_ASSERT(strstr(a[i].msg, "127.0.0.1:") != NULL);
@@ -426,13 +427,54 @@ static void test_close_wakes_blocked_requests(void) {
     ddp_store_retain(s);
     ddp_store_close(s);
     int64_t n;
-    T_STATUS(ddp_store_num_keys(s, &n, W(5000)), DDP_ERR_CLOSED);
+    T_STATUS(ddp_store_num_keys(s, &n, W(5000)), DDP_ERR_STORE);
     T_ASSERT(strstr(ddp_last_error(), "was closed") != NULL);
     ddp_store_release(s);
     /* The server never noticed anything wrong. */
     s = client();
     T_OK(ddp_store_num_keys(s, &n, W(5000)));
     ddp_store_close(s);
+}
+
+/* Fake server that sends garbage: the first connection gets a wrong PING
+ * echo, the second a proper handshake and then reply 7 to its WAIT. */
+static void *garbage_server(void *p) {
+    int lfd = *(int *)p, fd;
+    unsigned char buf[64];
+    for (int conn = 0; conn < 2; conn++) {
+        T_OK(ddp_sock_accept(lfd, W(5000), &fd));
+        T_OK(ddp_sock_recv_all(fd, buf, 10, W(5000), NULL));   /* VALIDATE + PING */
+        if (conn == 0) buf[6] ^= 0xff;
+        T_OK(ddp_sock_send_all(fd, buf + 6, 4, W(5000), NULL));
+        if (conn == 1) {
+            T_OK(ddp_sock_recv_all(fd, buf, 1 + 8 + 8 + 2, W(5000), NULL));
+            T_OK(ddp_sock_send_all(fd, "\7", 1, W(5000), NULL));
+        }
+        /* Hold the connection until the client has given up on it. */
+        ddp_status st = DDP_OK;
+        while (st == DDP_OK) st = ddp_sock_recv_all(fd, buf, 1, W(5000), NULL);
+        close(fd);
+    }
+    return NULL;
+}
+
+static void test_garbage_is_a_store_error(void) {
+    int lfd, port;
+    T_OK(ddp_sock_listen("127.0.0.1", 0, 0, 0, &lfd, &port));
+    pthread_t th;
+    T_ASSERT(pthread_create(&th, NULL, garbage_server, &lfd) == 0);
+    ddp_store *s = NULL;
+    T_STATUS(ddp_store_connect("127.0.0.1", port, W(5000), &s), DDP_ERR_STORE);
+    T_ASSERT(strstr(ddp_last_error(), "MASTER_PORT") != NULL);
+    T_ASSERT(s == NULL);
+    T_OK(ddp_store_connect("127.0.0.1", port, W(5000), &s));
+    const char *k = "/k";
+    size_t kl = 2;
+    T_STATUS(ddp_store_wait(s, &k, &kl, 1, W(5000)), DDP_ERR_STORE);
+    T_ASSERT(strstr(ddp_last_error(), "unexpected reply 7") != NULL);
+    ddp_store_close(s);
+    pthread_join(th, NULL);
+    close(lfd);
 }
 
 static void test_connect_failures(void) {
@@ -458,13 +500,14 @@ int main(void) {
     test_raw_protocol();
     test_client_cancel_race();
     test_close_wakes_blocked_requests();
+    test_garbage_is_a_store_error();
     test_connect_failures();
     /* Stopping with a client still connected: the client then sees a
      * closed connection, not a hang. */
     ddp_store *s = client();
     ddp_store_server_stop(srv);
     int64_t n;
-    T_ASSERT(ddp_store_num_keys(s, &n, W(2000)) != DDP_OK);
+    T_STATUS(ddp_store_num_keys(s, &n, W(2000)), DDP_ERR_STORE);
     ddp_store_close(s);
     ddp_store_server_stop(NULL);
     /* Listening on all interfaces, reached over IPv4 by name. */
