@@ -64,6 +64,7 @@ typedef struct shm_impl {
     /* descriptor path, receiving */
     uint64_t rx_desc_seen, rx_desc_done;
     uint64_t rx_addr, rx_len, rx_copied;
+    int64_t peer_pid;               /* read once at creation (the peer may rewrite it) */
     ddp_link *liveness;             /* the pair's TCP link, idle after the upgrade */
     int64_t last_check_us;
     uint64_t park_sig;              /* the peer's counters when we last parked */
@@ -175,10 +176,23 @@ static int rx_has_data(shm_impl *s) {
     return atomic_load_explicit(&s->rxc->head, memory_order_acquire) != s->rx_tail;
 }
 
+/* The peer's counter moved somewhere a correct peer never puts it (a
+ * consumer ahead of the producer, or more bytes than the ring holds). */
+static ddp_status corrupt_counter(const shm_impl *s, const char *which, uint64_t mine,
+                                  uint64_t theirs) {
+    return ddp_error(DDP_ERR_PROTOCOL, "the peer's %s counter of the shared-memory ring is "
+                     "inconsistent (%llu against this side's %llu, ring of %zu bytes): the "
+                     "segment was overwritten; is another process using it?", which,
+                     (unsigned long long)theirs, (unsigned long long)mine, s->cap);
+}
+
 /* Copy as much of src[0, want) into the send ring as fits now. */
 static ddp_status ring_send(shm_impl *s, const uint8_t *src, size_t want, size_t *done) {
-    if (s->cap - (size_t)(s->tx_head - s->tx_tail_seen) < want)
+    if (s->cap - (size_t)(s->tx_head - s->tx_tail_seen) < want) {
         s->tx_tail_seen = atomic_load_explicit(&s->txc->tail, memory_order_acquire);
+        if (s->tx_head - s->tx_tail_seen > s->cap) /* also catches tail > head */
+            return corrupt_counter(s, "consumer", s->tx_head, s->tx_tail_seen);
+    }
     size_t space = s->cap - (size_t)(s->tx_head - s->tx_tail_seen);
     if (space == 0) return idle_check(s, tx_has_space);
     size_t moved = 0;
@@ -202,8 +216,11 @@ static ddp_status ring_send(shm_impl *s, const uint8_t *src, size_t want, size_t
 
 /* Copy up to want bytes out of the receive ring into dst. */
 static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done) {
-    if ((size_t)(s->rx_head_seen - s->rx_tail) < want)
+    if ((size_t)(s->rx_head_seen - s->rx_tail) < want) {
         s->rx_head_seen = atomic_load_explicit(&s->rxc->head, memory_order_acquire);
+        if (s->rx_head_seen - s->rx_tail > s->cap) /* also catches head < tail */
+            return corrupt_counter(s, "producer", s->rx_tail, s->rx_head_seen);
+    }
     size_t avail = (size_t)(s->rx_head_seen - s->rx_tail);
     if (avail == 0) return idle_check(s, rx_has_data);
     size_t moved = 0;
@@ -258,6 +275,7 @@ static int desc_moved(shm_impl *s) {
 /* Report the receiver's progress on our outstanding descriptor. */
 static ddp_status desc_progress(shm_impl *s, size_t *done) {
     uint64_t c = atomic_load_explicit(&s->h->desc[s->side].copied, memory_order_acquire);
+    if (c > s->desc_len) return corrupt_counter(s, "copied", s->desc_len, c);
     if (c <= s->desc_reported) return idle_check(s, desc_moved);
     *done += (size_t)(c - s->desc_reported);
     s->desc_reported = c;
@@ -298,7 +316,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
 #ifdef __linux__
     struct iovec lo = {dst, k};
     struct iovec re = {(void *)(uintptr_t)(s->rx_addr + s->rx_copied), k};
-    r = process_vm_readv((pid_t)ddp_le_get64(s->h->pid[1 - s->side]), &lo, 1, &re, 1, 0);
+    r = process_vm_readv((pid_t)s->peer_pid, &lo, 1, &re, 1, 0);
     err = errno;
 #endif
     /* A peer that shut down may already have released the buffer: whatever
@@ -310,7 +328,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
     if (r <= 0)
         return ddp_error(DDP_ERR_SYS, "copying %zu bytes out of the peer process %lld with "
                          "process_vm_readv failed: %s (PYDDP_SHM_CMA=0 turns this path off)",
-                         k, (long long)ddp_le_get64(s->h->pid[1 - s->side]), strerror(err));
+                         k, (long long)s->peer_pid, strerror(err));
     s->rx_copied += (uint64_t)r;
     *done += (size_t)r;
     if (s->rx_copied == s->rx_len) s->rx_desc_done = posted;
@@ -410,7 +428,7 @@ ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int p
     s->seg = seg;
     s->h = h;
     s->side = side ? 1 : 0;
-    s->cap = (size_t)ddp_le_get64(h->ring_bytes);
+    s->cap = seg->ring_bytes; /* from this process's mapping, not the shared header */
     s->mask = s->cap - 1;
     s->tx = data + (size_t)s->side * s->cap;
     s->rx = data + (size_t)(1 - s->side) * s->cap;
@@ -424,6 +442,7 @@ ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int p
     /* Our peer may send us descriptors once we know we can read its memory. */
     atomic_store_explicit(&h->cma_ok[1 - s->side], (uint32_t)cma_probe_peer(h, s->side),
                           memory_order_release);
+    s->peer_pid = (int64_t)ddp_le_get64(h->pid[1 - s->side]);
     s->liveness = liveness;
     s->last_check_us = ddp_now_us();
     atomic_init(&s->shut, 0);

@@ -74,9 +74,14 @@ _Static_assert(offsetof(shm_desc, addr) == 8 && offsetof(shm_desc, len) == 16 &&
 
 #define DATA_OFFSET ((sizeof(shm_hdr) + 4095) & ~(size_t)4095)
 
+/* This process's view of a segment. ring_bytes is derived from map_len (what
+ * this process mapped), never re-read from the header afterwards: the peer
+ * can write the header at any time, and a ring capacity taken from it would
+ * let a confused or hostile peer make this process index past its mapping. */
 struct ddp_shm_seg {
     shm_hdr *hdr;
     size_t map_len;
+    size_t ring_bytes;  /* (map_len - DATA_OFFSET) / 2, a power of two */
 };
 
 #endif

@@ -88,6 +88,7 @@ ddp_status ddp_shm_seg_create(size_t ring_bytes, char name_out[DDP_SHM_NAME_MAX]
     }
     s->hdr = p;
     s->map_len = len;
+    s->ring_bytes = ring_bytes;
     /* Fresh tmpfs pages are zero: counters and flags start at 0. */
     ddp_le_put64(s->hdr->ring_bytes, ring_bytes);
     ddp_le_put64(s->hdr->total_bytes, len);
@@ -133,6 +134,7 @@ ddp_status ddp_shm_seg_open(const char *name, ddp_shm_seg **out) {
     }
     s->hdr = h;
     s->map_len = len;
+    s->ring_bytes = (len - DATA_OFFSET) / 2; /* == ring, checked above via seg_len */
     seg_register(s, 1);
     *out = s;
     return DDP_OK;

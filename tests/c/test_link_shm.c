@@ -5,7 +5,10 @@
  * single-copy descriptor paths interleaved in one stream), each with the
  * single-copy path on and off (PYDDP_SHM_CMA), deadlines and abort flags, a peer that shuts down,
  * a peer killed with SIGKILL (must fail within seconds, not at the
- * deadline), and that nothing is left in /dev/shm. Prints (never asserts)
+ * deadline), a peer that overwrites the segment header's ring size after
+ * setup or its ring counter (no overrun: the capacity comes from the
+ * mapping; a bad counter is DDP_ERR_PROTOCOL), and that nothing is left in
+ * /dev/shm. Prints (never asserts)
  * the ping-pong latency and one-way bandwidth it sees. */
 #include <signal.h>
 #include <stdatomic.h>
@@ -17,6 +20,7 @@
 #include <unistd.h>
 
 #include "ddp_link_shm.h"
+#include "ddp_link_shm_int.h" /* the segment layout, to corrupt it as a bad peer would */
 #include "ddp_settings.h"
 #include "testutil.h"
 
@@ -24,6 +28,13 @@
 #define W(ms) ddp_wait_for((ms), NULL)
 
 typedef int (*child_fn)(ddp_link *l);
+
+/* Set by a test: the child overwrites the header's ring_bytes with a huge
+ * value once it has mapped (and validated) the segment, before either side
+ * makes its link. */
+static int corrupt_ring_bytes;
+/* In the child: its mapping of the segment's header (for corrupt_head_child). */
+static shm_hdr *child_hdr;
 
 /* Fill with a pattern that differs per offset and per seed. */
 static void pattern(unsigned char *p, size_t n, unsigned seed) {
@@ -56,6 +67,8 @@ static ddp_link *start_pair(size_t ring, child_fn fn, pid_t *child) {
         ddp_link *tcp = ddp_link_tcp_new(sv[1], 0, "parent");
         ddp_shm_seg *mine = NULL;
         if (ddp_shm_seg_open(name, &mine) != DDP_OK) _exit(90);
+        if (corrupt_ring_bytes) ddp_le_put64(mine->hdr->ring_bytes, (uint64_t)1 << 40);
+        child_hdr = mine->hdr;
         if (ddp_link_send(tcp, "k", 1, W(5000)) != DDP_OK) _exit(91);
         ddp_link *l = ddp_link_shm_new(mine, 1, tcp, 0, "rank 0 (parent)");
         int rc = fn(l);
@@ -298,6 +311,37 @@ static void test_peer_killed(void) {
     T_ASSERT(waitpid(child, &ws, 0) == child && WIFSIGNALED(ws));
 }
 
+/* A peer that rewrites the header's ring size after setup changes nothing:
+ * both sides stream correctly (the old code took the capacity from the
+ * header and wrote far past the mapping). */
+static void test_corrupt_ring_bytes(void) {
+    corrupt_ring_bytes = 1;
+    test_stream_sizes();
+    corrupt_ring_bytes = 0;
+}
+
+/* The child pushes its producer counter (ring 1) far past anything written:
+ * the parent's receive must fail with DDP_ERR_PROTOCOL, not copy out of
+ * bounds or hang. */
+static int corrupt_head_child(ddp_link *l) {
+    (void)l;
+    atomic_store(&child_hdr->ring[1].head, (uint64_t)1 << 40);
+    atomic_fetch_add(&child_hdr->bell[0], 1u); /* the parent may be parked: it polls anyway */
+    sleep(2); /* stay alive, so that only the counter tells */
+    return 0;
+}
+
+static void test_corrupt_counter(void) {
+    pid_t child;
+    ddp_link *l = start_pair(RING, corrupt_head_child, &child);
+    char b[64];
+    int64_t t0 = ddp_now_ms();
+    T_STATUS(ddp_link_recv(l, b, sizeof b, W(10000)), DDP_ERR_PROTOCOL);
+    T_ASSERT(ddp_now_ms() - t0 < 5000);
+    T_ASSERT(strstr(ddp_last_error(), "inconsistent") != NULL);
+    end_pair(l, child, 0);
+}
+
 static void test_bad_inputs(void) {
     const char *old = getenv("PYDDP_SHM_RING_BYTES");
     char *saved = old ? strdup(old) : NULL;
@@ -336,6 +380,8 @@ int main(void) {
     }
     unsetenv("PYDDP_SHM_CMA");
     ddp_settings_reload();
+    test_corrupt_ring_bytes();
+    test_corrupt_counter();
     test_deadline_abort_local_shutdown();
     test_peer_shutdown();
     test_peer_killed();
