@@ -224,15 +224,17 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     return world.subgroup(ranks, str(n), be, timeout_s)
 
 
-def create_world(store, rank, world_size, timeout_s, name, backend=None):
+def create_world(store, rank, world_size, timeout_s, name, backend=None, master_addr=None):
     """A standalone world group over store (a pyddp TCPStore), not the default group:
     collective over its world_size ranks, keys under
-    ``/pyddp/<run id>/<restart count>/torch/<name>``. For torch's "pyddp" backend."""
+    ``/pyddp/<run id>/<restart count>/torch/<name>``. For torch's "pyddp" backend.
+    master_addr: the store's host, so that this rank advertises the local address that
+    routes to it (as init_process_group does with MASTER_ADDR), not loopback."""
     be = None if backend is None else _pick_backend(backend)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
-    return _make_group(store, rank, world_size, prefix, timeout_s, be, None)
+    return _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr)
 
 
 def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr):
