@@ -15,12 +15,15 @@ from . import _C
 from ._C import (BackendUnavailableError, CollectiveMismatchError, DistBackendError,
                  DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError,
                  DistTimeoutError, DistTypeError, DistValueError, VersionMismatchError)
-from ._group import (WORLD, destroy_process_group, get_backend, get_local_rank,
-                     get_local_world_size, get_rank, get_world_size, group,
-                     init_process_group, is_available, is_initialized)
-from .collectives import (ReduceOp, Work, all_gather, all_gather_into_tensor, all_reduce,
-                          barrier, broadcast, gather, irecv, isend, recv, reduce,
-                          reduce_scatter, reduce_scatter_tensor, scatter, send)
+from ._group import (WORLD, Group, destroy_process_group, get_backend, get_global_rank,
+                     get_group_rank, get_local_rank, get_local_world_size,
+                     get_process_group_ranks, get_rank, get_world_size, group,
+                     init_process_group, is_available, is_initialized, new_group)
+from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_into_tensor,
+                          all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single,
+                          barrier, batch_isend_irecv, broadcast, gather, irecv, isend,
+                          monitored_barrier, recv, reduce, reduce_scatter,
+                          reduce_scatter_tensor, scatter, send)
 from ._objects import (all_gather_object, broadcast_object_list, gather_object,
                        scatter_object_list)
 from .store import TCPStore

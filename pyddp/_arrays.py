@@ -126,3 +126,25 @@ def check_list(lst, name, length, like):
             raise DistValueError(f"{name}[{i}] has {numel(t)} elements but the tensor has {n}")
         if getattr(t, "dtype", None) != getattr(like, "dtype", None):
             raise DistTypeError(f"{name}[{i}] has dtype {t.dtype} but the tensor has {like.dtype}")
+
+
+def pack_ragged(lst):
+    """A new flat array holding lst's arrays one after another (any sizes; dtype,
+    library and device of lst[0])."""
+    total = sum(numel(t) for t in lst)
+    out = empty_flat(for_core(lst[0]), total)
+    off = 0
+    for t in lst:
+        n = numel(t)
+        copy_into(out[off:off + n], flat(Staged(t).array))
+        off += n
+    return out
+
+
+def unpack_ragged(lst, src):
+    """lst[i][...] = the i-th run of src (the inverse of pack_ragged)."""
+    off = 0
+    for t in lst:
+        n = numel(t)
+        copy_into(t, src[off:off + n])
+        off += n

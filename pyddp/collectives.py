@@ -8,6 +8,7 @@ written in place into the caller's arrays, also for torch tensors that require g
 and for non-contiguous arrays (which are staged through a contiguous copy).
 """
 import enum
+import functools
 import threading
 
 from . import _C
@@ -276,3 +277,253 @@ def barrier(group=None, async_op=False, device_ids=None):
     """Block until every rank of group reached the barrier."""
     g = _resolve(group)
     return _run(g, _C.COLL_BARRIER, None, None, 0, 0, async_op, None, "barrier")
+
+
+def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
+    """all_reduce of several tensors in one collective per dtype and device: each is
+    packed into one flat buffer, reduced, and copied back (torch's semantics)."""
+    g = _resolve(group)
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise _C.DistValueError("all_reduce_coalesced needs a non-empty list of tensors")
+    opc = _op(op)
+    g.pg("all_reduce_coalesced")
+    groups = {}
+    for t in tensors:
+        key = (str(getattr(t, "dtype", None)), str(getattr(t, "device", "cpu")), A._lib(t))
+        groups.setdefault(key, []).append(t)
+    works = []
+    for members in groups.values():
+        flat = A.pack_ragged(members)
+        works.append(_run(g, _C.COLL_ALLREDUCE, flat, None, opc, 0, True,
+                          functools.partial(A.unpack_ragged, members, flat),
+                          "all_reduce_coalesced"))
+    w = _Joined(works)
+    if async_op:
+        return w
+    w.wait()
+    return None
+
+
+class _Joined(Work):
+    """One handle over several works (coalesced calls)."""
+
+    def __init__(self, works):  # noqa: D107 - no C work of its own
+        self._works = works
+        self._done = False
+
+    def wait(self, timeout=None):
+        for w in self._works:
+            w.wait(timeout)
+        self._done = True
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def exception(self):
+        for w in self._works:
+            e = w.exception()
+            if e is not None:
+                return e
+        return None
+
+    def add_done_callback(self, fn):
+        left = [len(self._works)]
+        lock = threading.Lock()
+
+        def one(_w):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+        for w in self._works:
+            w.add_done_callback(one)
+
+
+def _split_sizes(splits, n_rows, ws, what):
+    """Rows per rank for all_to_all_single: even split when splits is None."""
+    if splits is None or len(splits) == 0:
+        if n_rows % ws:
+            raise _C.DistValueError(f"all_to_all_single: {what} has {n_rows} rows, which does "
+                                    f"not split evenly over {ws} ranks; pass {what}_split_sizes")
+        return [n_rows // ws] * ws
+    splits = [int(s) for s in splits]
+    if len(splits) != ws:
+        raise _C.DistValueError(f"all_to_all_single: {what}_split_sizes has {len(splits)} "
+                                f"entries but the group has {ws} ranks")
+    if any(s < 0 for s in splits) or sum(splits) != n_rows:
+        raise _C.DistValueError(f"all_to_all_single: {what}_split_sizes {splits} must be "
+                                f"non-negative and add up to the {n_rows} rows of {what}")
+    return splits
+
+
+def _offsets(counts):
+    out, off = [], 0
+    for c in counts:
+        out.append(off)
+        off += c
+    return out
+
+
+def _alltoall(g, inp, out, scounts, rcounts, async_op, post, what):
+    pg = g.pg(what)
+    w = Work(pg.alltoall(inp, out, scounts, _offsets(scounts), rcounts, _offsets(rcounts),
+                         timeout_ms(g)), post)
+    if async_op:
+        return w
+    w.wait()
+    return None
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    """Split input along dim 0 (evenly, or by input_split_sizes rows), send block q to
+    rank q, and concatenate what arrives from every rank into output along dim 0 (by
+    output_split_sizes rows). input and output may be the same tensor."""
+    g = _resolve(group)
+    ws = g.size
+    g.pg("all_to_all_single")
+    if getattr(output, "dtype", None) != getattr(input, "dtype", None):
+        raise _C.DistTypeError(f"all_to_all_single: output dtype {output.dtype} differs from "
+                               f"input dtype {input.dtype}")
+    in_rows = int(input.shape[0]) if len(input.shape) else 1
+    out_rows = int(output.shape[0]) if len(output.shape) else 1
+    in_row = A.numel(input) // in_rows if in_rows else 0
+    out_row = A.numel(output) // out_rows if out_rows else 0
+    if in_rows and out_rows and tuple(input.shape[1:]) != tuple(output.shape[1:]):
+        raise _C.DistValueError(f"all_to_all_single: input rows have shape "
+                                f"{tuple(input.shape[1:])} but output rows "
+                                f"{tuple(output.shape[1:])}")
+    sc = [s * in_row for s in _split_sizes(input_split_sizes, in_rows, ws, "input")]
+    rc = [s * out_row for s in _split_sizes(output_split_sizes, out_rows, ws, "output")]
+    si = A.Staged(input)
+    src = si.array if si.array is not A.for_core(output) else A.for_core(input).clone() \
+        if A._lib(input) == "torch" else A.for_core(input).copy()
+    so = A.Staged(output)
+    return _alltoall(g, A.flat(src), A.flat(so.array), sc, rc, async_op, _finisher(so),
+                     "all_to_all_single")
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """output_tensor_list[p] = rank p's input_tensor_list[this rank], for every p (the
+    tensors may differ in size between ranks, as long as each pair agrees)."""
+    g = _resolve(group)
+    ws = g.size
+    g.pg("all_to_all")
+    for name, lst in (("output_tensor_list", output_tensor_list),
+                      ("input_tensor_list", input_tensor_list)):
+        if not isinstance(lst, (list, tuple)) or len(lst) != ws:
+            raise _C.DistValueError(f"all_to_all: {name} must be a list of {ws} tensors")
+    dt = getattr(input_tensor_list[0], "dtype", None)
+    for name, lst in (("output_tensor_list", output_tensor_list),
+                      ("input_tensor_list", input_tensor_list)):
+        for i, t in enumerate(lst):
+            if getattr(t, "dtype", None) != dt:
+                raise _C.DistTypeError(f"all_to_all: {name}[{i}] has dtype {t.dtype} but "
+                                       f"input_tensor_list[0] has {dt}")
+    sc = [A.numel(t) for t in input_tensor_list]
+    rc = [A.numel(t) for t in output_tensor_list]
+    flat_in = A.pack_ragged(list(input_tensor_list))
+    flat_out = A.empty_flat(flat_in, sum(rc))
+    return _alltoall(g, flat_in, flat_out, sc, rc, async_op,
+                     functools.partial(A.unpack_ragged, list(output_tensor_list), flat_out),
+                     "all_to_all")
+
+
+class P2POp:
+    """One point-to-point operation for batch_isend_irecv: op is pyddp.isend or
+    pyddp.irecv (or torch.distributed's), peer a global rank."""
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        name = getattr(op, "__name__", str(op))
+        if name not in ("isend", "irecv"):
+            raise _C.DistValueError(f"P2POp: op must be isend or irecv, not {op!r}")
+        self.op, self.tensor, self.group, self.tag = op, tensor, group, tag
+        self.is_send = name == "isend"
+        g = _resolve(group)
+        if peer is None and group_peer is not None:
+            peer = g.ranks[group_peer]
+        if peer is None:
+            raise _C.DistValueError("P2POp needs peer=")
+        self.peer = peer
+
+
+def batch_isend_irecv(p2p_op_list):
+    """Run every send and receive of the list concurrently (so a ring exchange, where
+    each rank sends to one neighbour and receives from the other, cannot deadlock).
+    Returns a list with one handle (wait on any of them: all complete together)."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise _C.DistValueError("batch_isend_irecv needs a non-empty list of P2POp")
+    groups = {id(_resolve(p.group)) for p in p2p_op_list}
+    if len(groups) != 1:
+        raise _C.DistValueError("batch_isend_irecv: every P2POp must use the same group")
+    g = _resolve(p2p_op_list[0].group)
+    staged, ops = [], []
+    for p in p2p_op_list:
+        if not isinstance(p, P2POp):
+            raise _C.DistTypeError(f"batch_isend_irecv takes P2POp objects, not "
+                                   f"{type(p).__name__}")
+        s = A.Staged(p.tensor)
+        staged.append(s)
+        ops.append((p.is_send, s.array, _rank_arg(g, p.peer, "peer")))
+    pg = g.pg("batch_isend_irecv")
+    w = Work(pg.p2p_batch(ops, timeout_ms(g)),
+             _finisher(*[s for s, p in zip(staged, p2p_op_list) if not p.is_send]))
+    return [w]
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """A barrier that names the ranks that did not arrive: group rank 0 waits up to
+    timeout (default: the group's) for every other rank, and raises DistTimeoutError
+    naming the first missing rank (or all of them with wait_all_ranks=True); the other
+    ranks then raise the same error. Runs through the store, so it works even when the
+    group's connections are in trouble."""
+    g = _resolve(group)
+    g.pg("monitored_barrier")
+    tmo = g._timeout_s if timeout is None else _seconds(timeout)
+    n = g._mb
+    g._mb += 1
+    base = f"{g._prefix}/mb/{n}"
+    st = g._store
+    from datetime import timedelta
+    if g.rank != 0:
+        st.set(f"{base}/arrived/{g.rank}", b"1")
+        try:
+            st.wait([f"{base}/verdict"], timedelta(seconds=tmo + 10))
+        except _C.DistError as e:
+            raise _C.DistTimeoutError(f"monitored_barrier: rank {g.ranks[g.rank]} did not hear "
+                                      f"from rank {g.ranks[0]} (group rank 0) within "
+                                      f"{tmo + 10:.0f} s: {e}") from None
+        verdict = st.get(f"{base}/verdict").decode()
+        if verdict != "ok":
+            raise _C.DistTimeoutError(verdict)
+        return None
+    missing, deadline = [], _now() + tmo
+    for r in range(1, g.size):
+        left = deadline - _now()
+        try:
+            if left <= 0:
+                if not st.check([f"{base}/arrived/{r}"]):
+                    raise _C.DistTimeoutError("late")
+            else:
+                st.wait([f"{base}/arrived/{r}"], timedelta(seconds=left))
+        except _C.DistError:
+            missing.append(g.ranks[r])
+            if not wait_all_ranks:
+                break
+    if missing:
+        which = (f"rank {missing[0]}" if not wait_all_ranks else
+                 f"ranks {missing}")
+        msg = (f"monitored_barrier: {which} (global) did not reach the barrier within "
+               f"{tmo:.1f} s on the group of ranks {g.ranks}. Check that rank for a crash, a "
+               f"hang, or a code path that skips this barrier.")
+        st.set(f"{base}/verdict", msg.encode())
+        raise _C.DistTimeoutError(msg)
+    st.set(f"{base}/verdict", b"ok")
+    return None
+
+
+def _now():
+    import time
+    return time.monotonic()

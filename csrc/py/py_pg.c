@@ -16,6 +16,8 @@
  * attach_nccl(store, prefix, device, timeout_ms, version)   collective
  * set_cuda_factory(fn)   fn() must attach NCCL (collective, every member)
  * submit(kind, a, b, op, root, timeout_ms, stream=None) -> Work
+ * alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms) -> Work
+ * p2p_batch([(is_send, array, peer), ...], timeout_ms) -> Work
  * where, by kind, a/b are:
  *   ALLREDUCE, BROADCAST, REDUCE, SEND, RECV: a = the array, b = None
  *   ALLGATHER, REDUCE_SCATTER, GATHER, SCATTER: a = input, b = output
@@ -410,6 +412,153 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     return ddp_py_work_new(pg, work, &a, &b, has_stream, stream);
 }
 
+/* Queue a collective whose arguments (arrays, counts) were prepared by the
+ * caller; takes over arrs[0..n) and mem in every case. */
+static PyObject *submit_prepared(PGObject *self, ddp_pg pg, ddp_coll_args *ca,
+                                 long long timeout_ms, ddp_py_array *arrs, int n, void *mem) {
+    ddp_pg_opts o = {.timeout_ms = timeout_ms, .notify = ddp_py_work_notify};
+    ddp_pg_work work;
+    ddp_status st = ddp_pg_submit(pg, ca, &o, &work);
+    if (st != DDP_OK) {
+        for (int i = 0; i < n; i++) ddp_py_array_release(&arrs[i]);
+        PyMem_Free(arrs);
+        PyMem_Free(mem);
+        return ddp_py_raise(st, NULL);
+    }
+    return ddp_py_work_new_ex(pg, work, arrs, n, mem, 0, 0);
+}
+
+/* Read a sequence of size non-negative ints into out (elements). */
+static int size_list(PyObject *seq, int size, const char *what, size_t *out) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != size) {
+        Py_DECREF(fast);
+        return bad("%s has %zd entries but the group has %d ranks", what,
+                   PySequence_Fast_GET_SIZE(fast), size);
+    }
+    for (int i = 0; i < size; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (v < 0) {
+            Py_DECREF(fast);
+            return bad("%s[%d] = %lld is negative", what, i, v);
+        }
+        out[i] = (size_t)v;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *pg_alltoall(PGObject *self, PyObject *args) {
+    PyObject *ao, *bo, *sc, *sd, *rc, *rd;
+    long long timeout_ms = -1;
+    if (!PyArg_ParseTuple(args, "OOOOOO|L", &ao, &bo, &sc, &sd, &rc, &rd, &timeout_ms))
+        return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    int size = ddp_comm_size(self->comm);
+    ddp_py_array *arrs = PyMem_Calloc(2, sizeof *arrs);
+    size_t *mem = PyMem_Calloc(4 * (size_t)size, sizeof *mem);
+    if (arrs == NULL || mem == NULL) {
+        PyMem_Free(arrs);
+        PyMem_Free(mem);
+        return PyErr_NoMemory();
+    }
+    ddp_pg pg = {NULL, NULL};
+    int ok = ddp_py_array_import(ao, 0, "input", &arrs[0]) == 0 &&
+             ddp_py_array_import(bo, 1, "output", &arrs[1]) == 0 &&
+             size_list(sc, size, "input split", mem) == 0 &&
+             size_list(sd, size, "input offsets", mem + size) == 0 &&
+             size_list(rc, size, "output split", mem + 2 * size) == 0 &&
+             size_list(rd, size, "output offsets", mem + 3 * size) == 0;
+    if (ok && arrs[0].dtype != arrs[1].dtype) {
+        bad("all_to_all: input dtype %s differs from output dtype %s",
+            ddp_dtype_name(arrs[0].dtype), ddp_dtype_name(arrs[1].dtype));
+        ok = 0;
+    }
+    for (int q = 0; ok && q < size; q++) {
+        if (mem[size + q] + mem[q] > arrs[0].count || mem[3 * size + q] + mem[2 * size + q] >
+            arrs[1].count) {
+            bad("all_to_all: the block for rank %d runs past the end of the %s", q,
+                mem[size + q] + mem[q] > arrs[0].count ? "input" : "output");
+            ok = 0;
+        }
+    }
+    ok = ok && route(self, arrs[0].device == DDP_DEV_CUDA || arrs[1].device == DDP_DEV_CUDA,
+                     &pg) == 0;
+    if (!ok) {
+        ddp_py_array_release(&arrs[0]);
+        ddp_py_array_release(&arrs[1]);
+        PyMem_Free(arrs);
+        PyMem_Free(mem);
+        return NULL;
+    }
+    ddp_coll_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.kind = DDP_COLL_ALLTOALL;
+    ca.dtype = arrs[0].dtype;
+    ca.sendbuf = arrs[0].ptr;
+    ca.recvbuf = arrs[1].ptr;
+    ca.scounts = mem;
+    ca.sdispls = mem + size;
+    ca.rcounts = mem + 2 * size;
+    ca.rdispls = mem + 3 * size;
+    return submit_prepared(self, pg, &ca, timeout_ms, arrs, 2, mem);
+}
+
+static PyObject *pg_p2p_batch(PGObject *self, PyObject *args) {
+    PyObject *list;
+    long long timeout_ms = -1;
+    if (!PyArg_ParseTuple(args, "O|L", &list, &timeout_ms)) return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    PyObject *fast = PySequence_Fast(list, "ops must be a sequence of (is_send, array, peer)");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    ddp_py_array *arrs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *arrs);
+    ddp_p2p_op *ops = PyMem_Calloc(n ? (size_t)n : 1, sizeof *ops);
+    int ok = arrs != NULL && ops != NULL, on_gpu = 0;
+    if (!ok) PyErr_NoMemory();
+    Py_ssize_t got = 0;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        int is_send, peer;
+        PyObject *arr;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "pOi", &is_send, &arr, &peer)) {
+            ok = 0;
+            break;
+        }
+        if (ddp_py_array_import(arr, !is_send, is_send ? "send tensor" : "recv tensor",
+                                &arrs[i]) < 0) {
+            ok = 0;
+            break;
+        }
+        got = i + 1;
+        on_gpu |= arrs[i].device == DDP_DEV_CUDA;
+        ops[i].peer = peer;
+        ops[i].is_send = is_send;
+        ops[i].dtype = arrs[i].dtype;
+        ops[i].count = arrs[i].count;
+        ops[i].buf = arrs[i].ptr;
+    }
+    Py_DECREF(fast);
+    ddp_pg pg = {NULL, NULL};
+    ok = ok && route(self, on_gpu, &pg) == 0;
+    if (!ok) {
+        for (Py_ssize_t i = 0; i < got; i++) ddp_py_array_release(&arrs[i]);
+        PyMem_Free(arrs);
+        PyMem_Free(ops);
+        return NULL;
+    }
+    ddp_coll_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.kind = DDP_COLL_P2P_BATCH;
+    ca.nops = (int)n;
+    ca.ops = ops;
+    return submit_prepared(self, pg, &ca, timeout_ms, arrs, (int)n, ops);
+}
+
 static PyObject *pg_abort(PGObject *self, PyObject *args) {
     const char *reason = "abort() called";
     if (!PyArg_ParseTuple(args, "|s", &reason)) return NULL;
@@ -460,6 +609,11 @@ static PyObject *pg_get_destroyed(PGObject *self, void *c) {
 static PyMethodDef pg_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))pg_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(kind, a=None, b=None, op=0, root=0, timeout_ms=-1, stream=None) -> Work"},
+    {"alltoall", (PyCFunction)pg_alltoall, METH_VARARGS,
+     "alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms=-1) -> Work "
+     "(counts and offsets in elements, one per group rank)"},
+    {"p2p_batch", (PyCFunction)pg_p2p_batch, METH_VARARGS,
+     "p2p_batch([(is_send, array, peer), ...], timeout_ms=-1) -> Work (peers: group ranks)"},
     {"subgroup", (PyCFunction)pg_subgroup, METH_VARARGS,
      "subgroup(ranks, tag) -> ProcessGroup (member-only, no communication)"},
     {"attach_nccl", (PyCFunction)pg_attach_nccl, METH_VARARGS,
@@ -501,6 +655,7 @@ int ddp_py_pg_register(PyObject *m) {
         {"COLL_REDUCE_SCATTER", DDP_COLL_REDUCE_SCATTER}, {"COLL_GATHER", DDP_COLL_GATHER},
         {"COLL_SCATTER", DDP_COLL_SCATTER}, {"COLL_SEND", DDP_COLL_SEND},
         {"COLL_RECV", DDP_COLL_RECV}, {"COLL_BARRIER", DDP_COLL_BARRIER},
+        {"COLL_ALLTOALL", DDP_COLL_ALLTOALL}, {"COLL_P2P_BATCH", DDP_COLL_P2P_BATCH},
         {"OP_SUM", DDP_SUM}, {"OP_AVG", DDP_AVG}, {"OP_MIN", DDP_MIN}, {"OP_MAX", DDP_MAX},
         {"OP_PRODUCT", DDP_PRODUCT},
     };

@@ -37,7 +37,9 @@ typedef struct {
     PyObject_HEAD
     ddp_pg pg;             /* referenced; ops NULL once finished and released */
     ddp_pg_work work;      /* w NULL once finished */
-    ddp_py_array a, b;
+    ddp_py_array *arrs;    /* [narrs] arrays the transport uses (PyMem) */
+    int narrs;
+    void *mem;             /* argument memory the transport reads (PyMem), or NULL */
     int has_stream;
     uintptr_t stream;
     int finished;          /* status recorded, arrays let go */
@@ -49,6 +51,15 @@ typedef struct {
 static PyTypeObject *WorkType;
 
 /* ---- finishing ------------------------------------------------------- */
+
+static void release_arrays(WorkObject *w) {
+    for (int i = 0; i < w->narrs; i++) ddp_py_array_release(&w->arrs[i]);
+    PyMem_Free(w->arrs);
+    PyMem_Free(w->mem);
+    w->arrs = NULL;
+    w->narrs = 0;
+    w->mem = NULL;
+}
 
 /* Record the outcome, publish results on the caller's stream, and let go of
  * the arrays once the transport is done with them. Requires the work done. */
@@ -76,12 +87,12 @@ static void work_finish(WorkObject *w) {
     w->status = st;
     if (st != DDP_OK) w->error = PyUnicode_FromString(msg);
     if (drained) {
-        ddp_py_array_release(&w->a);
-        ddp_py_array_release(&w->b);
+        release_arrays(w);
     } else {
         /* A device may still write into these buffers: keep them forever. */
-        memset(&w->a, 0, sizeof w->a);
-        memset(&w->b, 0, sizeof w->b);
+        w->arrs = NULL;
+        w->narrs = 0;
+        w->mem = NULL;
     }
 }
 
@@ -302,8 +313,7 @@ static void work_dealloc(WorkObject *w) {
         work_finish(w);
         PyErr_Restore(et, ev, tb);
     }
-    ddp_py_array_release(&w->a);
-    ddp_py_array_release(&w->b);
+    release_arrays(w);
     Py_XDECREF(w->error);
     Py_XDECREF(w->callbacks);
     if (w->pg.ops) w->pg.ops->release(w->pg.impl);
@@ -311,11 +321,40 @@ static void work_dealloc(WorkObject *w) {
     Py_DECREF(tp);
 }
 
-PyObject *ddp_py_work_new(ddp_pg pg, ddp_pg_work work, ddp_py_array *a, ddp_py_array *b,
-                          int has_stream, uintptr_t stream) {
+PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, int narrs,
+                             void *mem, int has_stream, uintptr_t stream) {
     WorkObject *w = PyObject_New(WorkObject, WorkType);
     if (w == NULL) {
         /* Nothing may free the arrays while the transport uses them. */
+        Py_BEGIN_ALLOW_THREADS
+        while (!work.ops->work_done(work.w)) work.ops->work_wait(work.w, ddp_wait_for(100, NULL));
+        Py_END_ALLOW_THREADS
+        work.ops->work_release(work.w);
+        for (int i = 0; i < narrs; i++) ddp_py_array_release(&arrs[i]);
+        PyMem_Free(arrs);
+        PyMem_Free(mem);
+        return NULL;
+    }
+    pg.ops->retain(pg.impl);
+    w->pg = pg;
+    w->work = work;
+    w->arrs = arrs;
+    w->narrs = narrs;
+    w->mem = mem;
+    w->has_stream = has_stream;
+    w->stream = stream;
+    w->finished = 0;
+    w->status = DDP_OK;
+    w->error = NULL;
+    w->callbacks = NULL;
+    return (PyObject *)w;
+}
+
+PyObject *ddp_py_work_new(ddp_pg pg, ddp_pg_work work, ddp_py_array *a, ddp_py_array *b,
+                          int has_stream, uintptr_t stream) {
+    ddp_py_array *arrs = PyMem_Calloc(2, sizeof *arrs);
+    if (arrs == NULL) {
+        PyErr_NoMemory();
         Py_BEGIN_ALLOW_THREADS
         while (!work.ops->work_done(work.w)) work.ops->work_wait(work.w, ddp_wait_for(100, NULL));
         Py_END_ALLOW_THREADS
@@ -324,20 +363,11 @@ PyObject *ddp_py_work_new(ddp_pg pg, ddp_pg_work work, ddp_py_array *a, ddp_py_a
         ddp_py_array_release(b);
         return NULL;
     }
-    pg.ops->retain(pg.impl);
-    w->pg = pg;
-    w->work = work;
-    w->a = *a;
-    w->b = *b;
+    arrs[0] = *a;
+    arrs[1] = *b;
     memset(a, 0, sizeof *a);
     memset(b, 0, sizeof *b);
-    w->has_stream = has_stream;
-    w->stream = stream;
-    w->finished = 0;
-    w->status = DDP_OK;
-    w->error = NULL;
-    w->callbacks = NULL;
-    return (PyObject *)w;
+    return ddp_py_work_new_ex(pg, work, arrs, 2, NULL, has_stream, stream);
 }
 
 static PyMethodDef work_methods[] = {

@@ -16,6 +16,12 @@
 PyObject *ddp_py_work_new(ddp_pg pg, ddp_pg_work work, ddp_py_array *a, ddp_py_array *b,
                           int has_stream, uintptr_t stream);
 
+/* The same for any number of arrays: takes over arrs[0..narrs) and the
+ * PyMem blocks arrs and mem (argument memory the transport reads, e.g.
+ * all_to_all counts; may be NULL), freed once the transport is done. */
+PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, int narrs,
+                             void *mem, int has_stream, uintptr_t stream);
+
 /* For ddp_pg_opts.notify: wakes the completion thread (no Python, no lock
  * held by the caller, never blocks for long). ctx is ignored. */
 void ddp_py_work_notify(void *ctx);
