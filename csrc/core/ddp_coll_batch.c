@@ -7,8 +7,8 @@
  * A batch talks only to the peers in it and does not advance g->seq (like
  * send/recv); the peer must be running a batch too.
  *
- * Three steps, over the links of the peers in the batch only:
- *  1. To each peer q: the 32-byte header (kind P2P_BATCH, root = q, count =
+ * Two steps, over the links of the peers in the batch only:
+ *  1. To each peer q: the collective header (kind P2P_BATCH, root = q, count =
  *     sends to q << 32 | receives from q) followed by one 16-byte descriptor
  *     per op with q (u64 count, u32 dtype, u32 zero; sends first, then
  *     receives, each in batch order). From q: its header, then (as long as
@@ -71,6 +71,9 @@ typedef struct plan {
     ddp_xfer *xf;           /* 2 * np */
 } plan;
 
+/* Lay a (validated, nops > 0) batch out in g->scratch: the pairs in
+ * ascending peer order, their op lists, and our encoded messages. Fails only
+ * for lack of memory (DDP_ERR_NOMEM), before any communication. */
 static ddp_status plan_make(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
                             plan *pl) {
     const int n = g->size, nops = a->nops, maxp = nops < n - 1 ? nops : n - 1;
@@ -219,7 +222,8 @@ static ddp_status desc_check(const ddp_group *g, const ddp_coll_args *a, const p
     return DDP_OK;
 }
 
-/* Step 1 for every pair; mismatches are looked for in ascending peer order. */
+/* Step 1 for every pair; mismatches are looked for in ascending peer order.
+ * No payload has moved when it fails. */
 static ddp_status handshake(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
                             const plan *pl, ddp_wait w) {
     const size_t hb = DDP_COLL_HDR_BYTES;
@@ -240,7 +244,8 @@ static ddp_status handshake(ddp_group *g, const ddp_coll_args *a, const ddp_coll
     return st;
 }
 
-/* Step 2: round k moves the k-th send and the k-th receive of every pair. */
+/* Step 2: round k moves the k-th send and the k-th receive of every pair.
+ * On failure receive buffers may be partly written. */
 static ddp_status payload(ddp_group *g, const ddp_coll_args *a, const plan *pl, ddp_wait w) {
     uint32_t rounds = 0;
     for (int k = 0; k < pl->np; k++) {
