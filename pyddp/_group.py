@@ -411,8 +411,8 @@ def _auto_backend_name():
     from . import _nccl_backend
     if _nccl_backend.usable():
         return "nccl"
-    log.debug("pyddp: backend=None: no usable GPU/NCCL (%s); GPU arrays cannot be used",
-              _nccl_backend.why_unusable())
+    log.debug("pyddp: backend=None: no usable GPU/NCCL (%s); using the CPU backend "
+              "(GPU arrays are refused)", _nccl_backend.why_unusable())
     return "cpu"
 
 

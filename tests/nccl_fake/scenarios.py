@@ -164,17 +164,36 @@ def uid_fail():
     return {"error": error(init)}
 
 
+def _cpu_pair(store, prefix):
+    """Two ranks' _C.ProcessGroup in this process (the rendezvous needs both at once)."""
+    import threading
+    out = [None, None]
+    clients = [store, pyddp.TCPStore("127.0.0.1", store.port)]   # one request in flight each
+
+    def make(r):
+        out[r] = _C.ProcessGroup(clients[r]._client, r, 2, prefix, "127.0.0.1", "", 0, 0,
+                                 5000, pyddp.__version__, "h")
+    ts = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
 def versions():
-    """Rank 0 publishes its versions; a rank 1 with another NCCL / pyddp is refused."""
+    """Rank 0 publishes its NCCL and pyddp versions with the unique id; a rank 1 with
+    another NCCL / pyddp is refused when it attaches NCCL to its group."""
     nb.require()
     store = pyddp.TCPStore("127.0.0.1", 0, is_master=True)
-    r0 = _C.NcclProcessGroup(store._client, 0, 2, "/t/a", 0, 5000, pyddp.__version__)
+    r0, r1 = _cpu_pair(store, "/t/a")
+    r0.attach_nccl(store._client, "/t/a/nccl", 0, 5000, pyddp.__version__)
     os.environ["FAKE_NCCL_VERSION"] = "22105"
-    nccl = error(lambda: _C.NcclProcessGroup(store._client, 1, 2, "/t/a", 0, 5000,
-                                             pyddp.__version__))
+    nccl = error(lambda: r1.attach_nccl(store._client, "/t/a/nccl", 0, 5000, pyddp.__version__))
     os.environ["FAKE_NCCL_VERSION"] = "22005"
-    pyddp_v = error(lambda: _C.NcclProcessGroup(store._client, 1, 2, "/t/a", 0, 5000, "0.0.1"))
+    pyddp_v = error(lambda: r1.attach_nccl(store._client, "/t/a/nccl", 0, 5000, "0.0.1"))
     r0.destroy()
+    r1.destroy()
     return {"nccl": nccl, "pyddp": pyddp_v}
 
 
@@ -192,8 +211,8 @@ def no_device():
         os.environ.pop(k, None)
     return {"usable": nb.usable(), "why": nb.why_unusable(),
             "init": error(lambda: pyddp.init_process_group("nccl")),
-            "auto": error(lambda: pyddp._group._pick_backend(None))
-            or pyddp._group._pick_backend(None)}
+            "auto": error(pyddp._group._auto_backend_name)
+            or pyddp._group._auto_backend_name()}
 
 
 def fallback_warning():
