@@ -169,11 +169,11 @@ static ddp_status count_check(int lo, uint64_t lo_cnt, int hi, uint64_t hi_cnt) 
 
 /* Step 1's header check for one pair (after the headers arrived). */
 static ddp_status header_check(const ddp_group *g, const ddp_coll_hdr *h, const pair *p) {
-    ddp_coll_hdr ph, mine = *h;
-    ddp_status st = ddp_coll_hdr_parse(p->in, p->peer, h, &ph);
-    if (st != DDP_OK) return st;
+    ddp_coll_hdr ph, mine = *h; /* the header we sent this peer, for messages */
     mine.root = p->peer;
     mine.count = (uint64_t)p->ns << 32 | p->nr;
+    ddp_status st = ddp_coll_hdr_parse(p->in, p->peer, &mine, &ph);
+    if (st != DDP_OK) return st;
     if (ph.kind != DDP_COLL_P2P_BATCH) return kind_mismatch(g->rank, &mine, p->peer, &ph);
     if (ph.root != g->rank)
         return ddp_error(DDP_ERR_PROTOCOL, "rank %d sent this rank (%d) a batch header meant "
