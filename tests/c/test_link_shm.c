@@ -10,6 +10,7 @@
  * mapping; a bad counter is DDP_ERR_PROTOCOL), and that nothing is left in
  * /dev/shm. Prints (never asserts)
  * the ping-pong latency and one-way bandwidth it sees. */
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -275,6 +276,29 @@ static void test_deadline_abort_local_shutdown(void) {
     kill_pair(l, child);
 }
 
+/* The communicator aborts from another thread while its worker is blocked
+ * in a receive (and parked on the futex): the receive ends at once with
+ * DDP_ERR_ABORTED. Under ThreadSanitizer this is the link's cross-thread
+ * path. */
+static void *shutdown_later(void *arg) {
+    usleep(150 * 1000);
+    ddp_link_shutdown(arg);
+    return NULL;
+}
+
+static void test_shutdown_from_another_thread(void) {
+    pid_t child;
+    ddp_link *l = start_pair(RING, sleeping_child, &child);
+    pthread_t t;
+    T_ASSERT(pthread_create(&t, NULL, shutdown_later, l) == 0);
+    char b[4];
+    int64_t t0 = ddp_now_ms();
+    T_STATUS(ddp_link_recv(l, b, 4, W(20000)), DDP_ERR_ABORTED);
+    T_ASSERT(ddp_now_ms() - t0 < 5000);
+    T_ASSERT(pthread_join(t, NULL) == 0);
+    kill_pair(l, child);
+}
+
 /* Sends 3 bytes, then shuts its link down and waits to be reaped. */
 static int closing_child(ddp_link *l) {
     if (ddp_link_send(l, "abc", 3, W(5000)) != DDP_OK) return 1;
@@ -383,6 +407,7 @@ int main(void) {
     test_corrupt_ring_bytes();
     test_corrupt_counter();
     test_deadline_abort_local_shutdown();
+    test_shutdown_from_another_thread();
     test_peer_shutdown();
     test_peer_killed();
     test_figures();
