@@ -6,7 +6,8 @@
  * headers are small and latency-bound), sends use MSG_NOSIGNAL (a peer that
  * vanished must give EPIPE, not kill the process with SIGPIPE), and every
  * wait is a poll() of at most ddp_wait_slice() ms so the abort flag is seen
- * promptly.
+ * promptly. Connect resolves names through ddp_resolve.c, whose lookups a
+ * deadline can walk away from.
  */
 #include "ddp_sock.h"
 
@@ -23,6 +24,13 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include "ddp_resolve.h"
+
+/* The least time one address of a name gets while others remain to try
+ * (unless less than that is left in all): enough for a loopback or LAN
+ * connect, and the SYN retransmit at 1 s, to happen. */
+#define DDP_CONNECT_ADDR_MIN_MS 2000
 
 #ifndef MSG_NOSIGNAL
 #define MSG_NOSIGNAL 0
@@ -110,49 +118,51 @@ static int self_connected(int fd) {
     return la == lb && memcmp(&a, &b, la) == 0;
 }
 
-/* One pass over every address of host:port. Returns a connected fd, or -1
- * with *err set to the last errno (or *gai_err to a resolver error). */
-static int connect_once(const char *host, const char *portstr, ddp_wait w,
-                        int *err, int *gai_err) {
-    struct addrinfo hints, *res = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    int g = getaddrinfo(host, portstr, &hints, &res);
-    if (g != 0) {
-        *gai_err = g;
-        *err = (g == EAI_SYSTEM) ? errno : 0;
-        return -1;
-    }
-    *gai_err = 0;
-    int fd = -1;
-    for (struct addrinfo *ai = res; ai != NULL && fd < 0; ai = ai->ai_next) {
-        int s = open_socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+/* The wait for address i of n: a share of what is left, so an address that
+ * swallows SYNs (a firewall that drops, a dead host) cannot use up the time
+ * of the ones after it: min(left, max(left / addresses left, a floor)).
+ * Without a deadline the kernel's own connect timeout bounds each address. */
+static ddp_wait addr_wait(ddp_wait w, int i, int n) {
+    int64_t left = ddp_wait_remaining(w);
+    if (left == INT64_MAX) return w;
+    int64_t share = left / (n - i);
+    if (share < DDP_CONNECT_ADDR_MIN_MS) share = DDP_CONNECT_ADDR_MIN_MS;
+    if (share < left) w.deadline_ms = ddp_now_ms() + share;
+    return w;
+}
+
+/* One pass over the addresses of a name. Returns a connected fd, or -1 with
+ * *err set to the last errno (EINTR if w's flag aborted the pass). */
+static int connect_addrs(const ddp_addrs *as, ddp_wait w, int *err) {
+    for (int i = 0; i < as->n; i++) {
+        const ddp_addr *a = &as->a[i];
+        int s = open_socket(a->family, SOCK_STREAM, 0);
         if (s < 0) {
             *err = errno;
             continue;
         }
         int e = 0;
-        if (connect(s, ai->ai_addr, ai->ai_addrlen) < 0) {
+        if (connect(s, (const struct sockaddr *)&a->sa, a->len) < 0) {
             e = errno;
-            if (e == EINPROGRESS || e == EINTR) e = finish_connect(s, w);
+            if (e == EINPROGRESS || e == EINTR) e = finish_connect(s, addr_wait(w, i, as->n));
         }
         if (e == 0 && self_connected(s)) e = ECONNREFUSED;
         if (e == 0) {
             set_nodelay(s);
-            fd = s;
-        } else {
-            *err = e;
-            close(s);
+            return s;
+        }
+        *err = e;
+        close(s);
+        if (ddp_wait_aborted(w)) {
+            *err = EINTR;
+            return -1;
         }
     }
-    freeaddrinfo(res);
-    return fd;
+    return -1;
 }
 
 ddp_status ddp_sock_connect(const char *host, int port, ddp_wait w, int *fd_out) {
-    char hp[DDP_ADDR_MAX + 16], portstr[16];
+    char hp[DDP_ADDR_MAX + 16];
     *fd_out = -1;
     if (host == NULL || host[0] == '\0')
         return ddp_error(DDP_ERR_INVALID, "connect: empty host name (set MASTER_ADDR)");
@@ -160,14 +170,31 @@ ddp_status ddp_sock_connect(const char *host, int port, ddp_wait w, int *fd_out)
         return ddp_error(DDP_ERR_INVALID, "connect to %s: port %d is not in 1..65535 "
                          "(check MASTER_PORT)", host, port);
     ddp_sock_format_hostport(host, port, hp, sizeof hp);
-    snprintf(portstr, sizeof portstr, "%d", port);
     int64_t start = ddp_now_ms();
-    int err = 0, gai_err = 0;
+    int err = 0, gai_err = 0, answered = 0;
     for (;;) {
-        int fd = connect_once(host, portstr, w, &err, &gai_err);
-        if (fd >= 0) {
-            *fd_out = fd;
-            return DDP_OK;
+        ddp_addrs as;
+        int g = 0, sys_err = 0;
+        ddp_status st = ddp_resolve_tcp(host, port, w, &as, &g, &sys_err);
+        if (st == DDP_ERR_TIMEOUT) {
+            /* The deadline passed inside a lookup. If the resolver never
+             * answered, DNS is the problem; if it did before, this lookup
+             * merely got the last few ms: report the earlier failure. */
+            if (!answered)
+                return ddp_error_prefix(DDP_ERR_CONNECT, "could not connect to %s: ", hp);
+            break;
+        }
+        if (st == DDP_ERR_ABORTED || st == DDP_ERR_INVALID || st == DDP_ERR_NOMEM)
+            return ddp_error_prefix(st, "connect to %s: ", hp);
+        answered = 1;
+        gai_err = g;
+        if (g == EAI_SYSTEM) err = sys_err;
+        if (st == DDP_OK) {
+            int fd = connect_addrs(&as, w, &err);
+            if (fd >= 0) {
+                *fd_out = fd;
+                return DDP_OK;
+            }
         }
         if (ddp_wait_aborted(w))
             return ddp_error(DDP_ERR_ABORTED, "connect to %s aborted", hp);

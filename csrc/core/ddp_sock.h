@@ -18,9 +18,13 @@
 
 /* Connect to host:port (name or IPv4/IPv6 literal). Retries refused or
  * unreachable connections every ~100 ms until the deadline, since the peer
- * may not be listening yet. On timeout: DDP_ERR_CONNECT with a message that
- * names host:port, the last errno and what to check (firewall, security
- * group, MASTER_ADDR/MASTER_PORT). */
+ * may not be listening yet. Each pass tries every address of the name, each
+ * with a share of the time left (at least a couple of seconds), so one that
+ * drops SYNs cannot starve the next. Name resolution is bounded by the
+ * deadline too (ddp_resolve.h). On timeout: DDP_ERR_CONNECT with a message
+ * that names host:port, the last errno and what to check (firewall, security
+ * group, MASTER_ADDR/MASTER_PORT), or says that resolving the name took
+ * longer than the wait (check DNS). DDP_ERR_ABORTED if w's flag is set. */
 ddp_status ddp_sock_connect(const char *host, int port, ddp_wait w, int *fd_out);
 
 /* Listen on bind_host (NULL or "" = all interfaces, IPv4 and IPv6 where

@@ -1,12 +1,21 @@
 /* test_sock.c - unit tests of ddp_sock: listen/connect/accept over loopback
  * (IPv4, IPv6 where available, names), exact-size transfers larger than the
  * socket buffers, deadlines, abort flags, peer close, port ranges, and the
- * connect-timeout message that must name host:port and what to check. */
+ * connect-timeout message that must name host:port and what to check; a
+ * name whose first address swallows SYNs (a loopback listener with a full
+ * accept queue, supplied by a resolver hook: no packet leaves the machine)
+ * and a resolver that hangs, neither of which may use up the deadline. */
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include "ddp_resolve.h"
 #include "ddp_sock.h"
 #include "testutil.h"
 
@@ -151,6 +160,147 @@ static void test_addresses(void) {
     T_ASSERT(strcmp(out, "h:80") == 0);
 }
 
+/* ---- resolver hooks ---------------------------------------------------- */
+
+static int g_ports[2];          /* the addresses the two-address hook returns */
+static atomic_int g_release;    /* lets the hanging hook return */
+static atomic_int g_hook_calls;
+
+static void loopback(ddp_addr *a, int port) {
+    struct sockaddr_in *in = (struct sockaddr_in *)&a->sa;
+    memset(a, 0, sizeof *a);
+    in->sin_family = AF_INET;
+    in->sin_port = htons((uint16_t)port);
+    in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a->family = AF_INET;
+    a->len = sizeof *in;
+}
+
+static int two_addresses(const char *host, int port, ddp_addr *out, int max, int *gai_err) {
+    (void)host, (void)port, (void)gai_err;
+    T_ASSERT(max >= 2);
+    loopback(&out[0], g_ports[0]);
+    loopback(&out[1], g_ports[1]);
+    atomic_fetch_add(&g_hook_calls, 1);
+    return 2;
+}
+
+/* Like a DNS server that never answers, until the test lets it. */
+static int hanging(const char *host, int port, ddp_addr *out, int max, int *gai_err) {
+    (void)host, (void)port, (void)out, (void)max;
+    atomic_fetch_add(&g_hook_calls, 1);
+    while (!atomic_load(&g_release)) usleep(5000);
+    *gai_err = EAI_NONAME;
+    return -1;
+}
+
+/* A loopback listener that never accepts, its accept queue (backlog 0)
+ * filled by *filler: the kernel drops every further SYN, so a connect to it
+ * hangs as one to a host behind a dropping firewall would. */
+static int blackhole(int *port, int *filler) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ddp_addr a;
+    loopback(&a, 0);
+    T_ASSERT(fd >= 0 && bind(fd, (struct sockaddr *)&a.sa, a.len) == 0 && listen(fd, 0) == 0);
+    socklen_t len = sizeof a.sa;
+    T_ASSERT(getsockname(fd, (struct sockaddr *)&a.sa, &len) == 0);
+    *port = ntohs(((struct sockaddr_in *)&a.sa)->sin_port);
+    T_OK(ddp_sock_connect("127.0.0.1", *port, ddp_wait_for(2000, NULL), filler));
+    /* Proof that it swallows SYNs now: a connect only times out. */
+    int fd2;
+    int64_t t0 = ddp_now_ms();
+    T_STATUS(ddp_sock_connect("127.0.0.1", *port, ddp_wait_for(300, NULL), &fd2),
+             DDP_ERR_CONNECT);
+    T_ASSERT(ddp_now_ms() - t0 >= 290);
+    return fd;
+}
+
+static void test_blackholed_first_address(void) {
+    int filler, lfd, fd, acc;
+    int bh = blackhole(&g_ports[0], &filler);
+    T_OK(ddp_sock_listen("127.0.0.1", 0, 0, 0, &lfd, &g_ports[1]));
+    ddp_resolve_set_hook(two_addresses);
+    int64_t t0 = ddp_now_ms();
+    /* 3 s: the first address gets max(3/2, 2) = 2 s, the second the rest
+     * (giving the first the whole deadline would fail here). */
+    T_OK(ddp_sock_connect("two-addresses.test", 1, ddp_wait_for(3000, NULL), &fd));
+    int64_t dt = ddp_now_ms() - t0;
+    T_ASSERT(dt >= 1900 && dt < 2900);
+    T_ASSERT(atomic_load(&g_hook_calls) == 1);
+    T_OK(ddp_sock_accept(lfd, ddp_wait_for(2000, NULL), &acc));
+    T_OK(ddp_sock_send_all(fd, "x", 1, ddp_wait_for(2000, NULL), NULL));
+    char c;
+    T_OK(ddp_sock_recv_all(acc, &c, 1, ddp_wait_for(2000, NULL), NULL));
+    T_ASSERT(c == 'x');
+    /* Both black-holed: the retry loop goes on to the deadline, not past. */
+    g_ports[1] = g_ports[0];
+    t0 = ddp_now_ms();
+    T_STATUS(ddp_sock_connect("two-addresses.test", 1, ddp_wait_for(1000, NULL), &fd),
+             DDP_ERR_CONNECT);
+    dt = ddp_now_ms() - t0;
+    T_ASSERT(dt >= 990 && dt < 1500);
+    T_ASSERT(strstr(ddp_last_error(), "two-addresses.test:1") != NULL);
+    ddp_resolve_set_hook(NULL);
+    close(acc);
+    close(fd < 0 ? -1 : fd);
+    close(lfd);
+    close(filler);
+    close(bh);
+}
+
+typedef struct {
+    atomic_int *flag;
+    int after_ms;
+} raiser_arg;
+
+static void *raise_later(void *p) {
+    raiser_arg *a = p;
+    usleep((useconds_t)a->after_ms * 1000);
+    atomic_store(a->flag, 1);
+    return NULL;
+}
+
+static void test_hanging_resolver(void) {
+    int fd;
+    atomic_store(&g_hook_calls, 0);
+    ddp_resolve_set_hook(hanging);
+    int64_t t0 = ddp_now_ms();
+    T_STATUS(ddp_sock_connect("hangs.test", 80, ddp_wait_for(500, NULL), &fd),
+             DDP_ERR_CONNECT);
+    int64_t dt = ddp_now_ms() - t0;
+    T_ASSERT(dt >= 490 && dt < 1500);
+    T_ASSERT(strstr(ddp_last_error(), "resolving 'hangs.test' took longer than 0.5 s") != NULL);
+    T_ASSERT(strstr(ddp_last_error(), "DNS") != NULL);
+    T_ASSERT(strstr(ddp_last_error(), "hangs.test:80") != NULL);
+    T_ASSERT(fd == -1);
+    /* No deadline: the abort flag alone ends the wait. */
+    atomic_int flag = 0;
+    raiser_arg ra = {&flag, 200};
+    pthread_t th;
+    T_ASSERT(pthread_create(&th, NULL, raise_later, &ra) == 0);
+    t0 = ddp_now_ms();
+    T_STATUS(ddp_sock_connect("hangs.test", 80, ddp_wait_for(-1, &flag), &fd),
+             DDP_ERR_ABORTED);
+    T_ASSERT(ddp_now_ms() - t0 < 1000);
+    pthread_join(th, NULL);
+    T_ASSERT(atomic_load(&g_hook_calls) == 2);
+    T_ASSERT(ddp_resolve_running() == 2);   /* both lookups still hang */
+    ddp_resolve_set_hook(NULL);
+    /* Meanwhile other connects are not held up by the stuck lookups. */
+    int lfd, port, acc;
+    T_OK(ddp_sock_listen("127.0.0.1", 0, 0, 0, &lfd, &port));
+    T_OK(ddp_sock_connect("localhost", port, ddp_wait_for(2000, NULL), &fd));
+    T_OK(ddp_sock_accept(lfd, ddp_wait_for(2000, NULL), &acc));
+    close(fd);
+    close(acc);
+    close(lfd);
+    /* The late answers free what the abandoned lookups left: the leak
+     * checker at exit sees nothing once they are done. */
+    atomic_store(&g_release, 1);
+    for (int i = 0; i < 500 && ddp_resolve_running() > 0; i++) usleep(10000);
+    T_ASSERT(ddp_resolve_running() == 0);
+}
+
 int main(void) {
     test_roundtrip("127.0.0.1", "127.0.0.1");
     test_roundtrip(NULL, "127.0.0.1");     /* all interfaces, reached over IPv4 */
@@ -166,6 +316,8 @@ int main(void) {
     test_connect_refused_message();
     test_port_range();
     test_addresses();
+    test_blackholed_first_address();
+    test_hanging_resolver();
     printf("test_sock: ok\n");
     return 0;
 }
