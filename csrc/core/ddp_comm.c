@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "ddp_comm_internal.h"
+#include "ddp_settings.h"
 
 struct ddp_work {
     ddp_coll_args args;
@@ -36,14 +37,6 @@ struct ddp_work {
     char msg[1024];
     ddp_work *next;
 };
-
-static size_t env_size(const char *name, size_t dflt) {
-    const char *v = getenv(name);
-    if (v == NULL || *v == '\0') return dflt;
-    char *end;
-    unsigned long long x = strtoull(v, &end, 10);
-    return (*end == '\0' && x > 0) ? (size_t)x : dflt;
-}
 
 /* ---- work items ---------------------------------------------------- */
 
@@ -271,8 +264,8 @@ static void group_init(ddp_comm *c, uint64_t tag) {
     c->group.size = c->size;
     c->group.links = c->links;
     c->group.tag = tag;
-    c->group.small_bytes = env_size("PYDDP_SMALL_BYTES", 64 * 1024);
-    c->group.chunk_bytes = env_size("PYDDP_CHUNK_BYTES", 256 << 10);
+    c->group.small_bytes = (size_t)ddp_setting_int("PYDDP_SMALL_BYTES");
+    c->group.chunk_bytes = (size_t)ddp_setting_int("PYDDP_CHUNK_BYTES");
 }
 
 static ddp_status comm_alloc(const ddp_comm_config *cfg, ddp_comm **out) {

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "ddp_comm_internal.h"
+#include "ddp_le.h"
 #include "ddp_sock.h"
 
 #define HELLO_MAGIC 0x44445048u /* "HPDD" */
@@ -36,30 +37,20 @@ typedef struct hello {
     int32_t size;
 } hello;
 
-static void put_le(unsigned char *p, uint64_t v, int n) {
-    for (int i = 0; i < n; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static uint64_t get_le(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
 static void hello_encode(const hello *h, unsigned char out[HELLO_BYTES]) {
-    put_le(out, h->magic, 4);
-    put_le(out + 4, h->wire, 4);
-    put_le(out + 8, h->tag, 8);
-    put_le(out + 16, (uint32_t)h->rank, 4);
-    put_le(out + 20, (uint32_t)h->size, 4);
+    ddp_le_put32(out, h->magic);
+    ddp_le_put32(out + 4, h->wire);
+    ddp_le_put64(out + 8, h->tag);
+    ddp_le_put32(out + 16, (uint32_t)h->rank);
+    ddp_le_put32(out + 20, (uint32_t)h->size);
 }
 
 static void hello_decode(const unsigned char in[HELLO_BYTES], hello *h) {
-    h->magic = (uint32_t)get_le(in, 4);
-    h->wire = (uint32_t)get_le(in + 4, 4);
-    h->tag = get_le(in + 8, 8);
-    h->rank = (int32_t)(uint32_t)get_le(in + 16, 4);
-    h->size = (int32_t)(uint32_t)get_le(in + 20, 4);
+    h->magic = ddp_le_get32(in);
+    h->wire = ddp_le_get32(in + 4);
+    h->tag = ddp_le_get64(in + 8);
+    h->rank = (int32_t)ddp_le_get32(in + 16);
+    h->size = (int32_t)ddp_le_get32(in + 20);
 }
 
 uint64_t ddp_comm_hash(const char *s) {

@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include "ddp_comm.h"
+#include "ddp_comm_internal.h"
+#include "ddp_le.h"
+#include "ddp_sock.h"
 #include "testutil.h"
 
 #define MAXR 4
@@ -195,6 +198,65 @@ static void run_world(int size, int scenario, int port, const char *prefix,
     for (int r = 0; r < size; r++) ddp_comm_destroy(ctx[r].comm);
 }
 
+/* A peer that published a line claiming this wire version but says another in
+ * its hello (an older pyddp binary under a newer one's metadata, say): rank 0
+ * must refuse the connection with DDP_ERR_VERSION, not link up with it. */
+typedef struct impostor_ctx {
+    int port;
+    const char *prefix;
+} impostor_ctx;
+
+static void *impostor_main(void *p) {
+    impostor_ctx *ic = p;
+    ddp_store *st = NULL;
+    T_OK(ddp_store_connect("127.0.0.1", ic->port, ddp_wait_for(5000, NULL), &st));
+    char key[128], line[256];
+    snprintf(key, sizeof key, "%s/rank/1", ic->prefix);
+    snprintf(line, sizeof line, "ver=1.0.0;wire=%d;addr=127.0.0.1;port=1;host=elsewhere",
+             DDP_WIRE_VERSION);
+    T_OK(ddp_store_set(st, key, strlen(key), line, strlen(line), ddp_wait_for(5000, NULL)));
+    void *val = NULL;
+    size_t vlen = 0;
+    snprintf(key, sizeof key, "%s/rank/0", ic->prefix);
+    T_OK(ddp_store_get(st, key, strlen(key), &val, &vlen, ddp_wait_for(5000, NULL)));
+    char buf[512];
+    snprintf(buf, sizeof buf, "%.*s", (int)vlen, (char *)val);
+    free(val);
+    const char *pp = strstr(buf, "port=");
+    T_ASSERT(pp != NULL);
+    int fd = -1;
+    T_OK(ddp_sock_connect("127.0.0.1", atoi(pp + 5), ddp_wait_for(5000, NULL), &fd));
+    unsigned char h[24];
+    ddp_le_put32(h, 0x44445048u);
+    ddp_le_put32(h + 4, DDP_WIRE_VERSION - 1);
+    ddp_le_put64(h + 8, ddp_comm_hash(ic->prefix));
+    ddp_le_put32(h + 16, 1);
+    ddp_le_put32(h + 20, 2);
+    T_OK(ddp_sock_send_all(fd, h, sizeof h, ddp_wait_for(5000, NULL), "rank 0"));
+    usleep(500 * 1000);
+    close(fd);
+    ddp_store_release(st);
+    return NULL;
+}
+
+static void run_impostor(int port, const char *prefix) {
+    impostor_ctx ic = {port, prefix};
+    pthread_t t;
+    T_ASSERT(pthread_create(&t, NULL, impostor_main, &ic) == 0);
+    rank_ctx c;
+    memset(&c, 0, sizeof c);
+    c.size = 2;
+    c.port = port;
+    c.prefix = prefix;
+    c.version = "1.0.0";
+    ddp_store *st = NULL;
+    ddp_status s = make_comm(&c, &st);
+    T_STATUS(s, DDP_ERR_VERSION);
+    T_ASSERT(strstr(ddp_last_error(), "wire version") != NULL);
+    ddp_store_release(st);
+    pthread_join(t, NULL);
+}
+
 int main(void) {
     ddp_store_server *srv;
     int port;
@@ -224,6 +286,10 @@ int main(void) {
         T_ASSERT(strstr(ctx[r].msg, "9.9.9") && strstr(ctx[r].msg, "rank 1"));
     }
     printf("comm: version mismatch detected on every rank\n");
+
+    snprintf(prefix, sizeof prefix, "/test/%d", gen++);
+    run_impostor(port, prefix);
+    printf("comm: a hello of another wire version is refused\n");
 
     snprintf(prefix, sizeof prefix, "/test/%d", gen++);
     run_world(3, SC_LEAVE, port, prefix, ctx);

@@ -7,8 +7,8 @@ Scenarios (argv[1]):
   drop_ctrl_c      an async Work dropped unfinished: its dealloc waits; Ctrl-C ends that
                    wait, aborts the group, and reaches the main thread as KeyboardInterrupt.
   drain_ctrl_c     Ctrl-C during the DDP reducer's drain of in-flight bucket all-reduces.
-  handler_destroy  a signal handler that destroys the group while torch DDP's backward
-                   waits for the gradient all-reduce.
+  handler_destroy  a signal handler that destroys the group, then raises, while torch
+                   DDP's backward waits for the gradient all-reduce.
   store_close      TCPStore.close() from another thread during the rendezvous (one rank
                    of two: the other never comes).
 """
@@ -98,7 +98,11 @@ def handler_destroy():
     ddp = pyddp.DistributedDataParallel(model, bucket_cap_mb=0.01)
     if RANK == 1:
         idle_peer()
-    signal.signal(signal.SIGUSR1, lambda *a: pyddp.destroy_process_group())
+    def handler(*a):
+        pyddp.destroy_process_group()      # frees what the waiting reducer was using
+        raise RuntimeError("handler gave up")   # and the wait must abort through it
+
+    signal.signal(signal.SIGUSR1, handler)
     later(1.0, lambda: os.kill(os.getpid(), signal.SIGUSR1))
     t0 = time.monotonic()
     try:
