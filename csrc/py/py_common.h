@@ -53,11 +53,6 @@ struct ddp_comm *ddp_py_pg_comm_ref(PyObject *pg);
  * freed meanwhile; after a close, requests on it fail promptly with "closed". */
 struct ddp_store *ddp_py_store_client_ref(PyObject *obj);
 
-/* Deprecated, for the transition to ddp_py_store_client_ref: the same client,
- * borrowed (no reference), so a close() while it is used without the GIL
- * frees it under the user. */
-struct ddp_store *ddp_py_store_client_ptr(PyObject *obj);
-
 /* Module exec hooks (return 0 on success, -1 with an exception set). */
 int ddp_py_errors_register(PyObject *m);
 int ddp_py_store_register(PyObject *m);

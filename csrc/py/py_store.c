@@ -373,9 +373,6 @@ ddp_store *ddp_py_store_client_ref(PyObject *obj) {
     return s;
 }
 
-/* Transition only: borrowed, so a close() during the caller's GIL-free use
- * frees it. Callers move to ddp_py_store_client_ref. */
-ddp_store *ddp_py_store_client_ptr(PyObject *obj) { return client_of(obj); }
 
 /* ---- StoreServer ------------------------------------------------------ */
 
