@@ -1,5 +1,5 @@
 /* ddp_store.h - key-value store client and server, wire-compatible with
- * PyTorch's TCPStore (see shared/interop.md section 3).
+ * PyTorch's TCPStore (the protocol is summarised in docs/design.md, "The store protocol").
  *
  * Keys are passed exactly as they travel on the wire: the Python layer adds
  * torch's "/" prefix to user keys; the core composes its own keys under

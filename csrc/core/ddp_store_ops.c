@@ -2,7 +2,7 @@
  * complete request in a connection's input, run it against the key map and
  * queue its reply, waking WAITs that the change satisfied.
  *
- * Semantics follow torch's TCPStore (shared/interop.md section 3): ADD keeps
+ * Semantics follow torch's TCPStore (docs/design.md, "The store protocol"): ADD keeps
  * ASCII decimal text, COMPARE_SET's three cases, WAIT answered at once or
  * when every key exists, CANCEL_WAIT always answered with WAIT_CANCELED. A
  * request is first "measured" without side effects, so a half-arrived

@@ -1,5 +1,5 @@
 /* ddp_store_wire.h - encoding and decoding of TCPStore messages, shared by
- * the store client and server (shared/interop.md section 3).
+ * the store client and server (docs/design.md, "The store protocol").
  *
  * Integers travel in host byte order (as torch sends them); strings and
  * values are a uint64 length followed by the bytes. ddp_wbuf is a growable
