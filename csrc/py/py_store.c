@@ -10,7 +10,10 @@
  * so does a process group's rendezvous (ddp_py_store_client_ref); close()
  * (from another thread, or a signal handler running while this thread
  * waits) shuts the connection down at once, so those calls fail promptly
- * with "closed", and the memory goes with the last reference.
+ * with "closed", and the memory goes with the last reference. Failures
+ * raise through ddp_py_raise_store: DistStoreError for a failed request,
+ * DistStoreTimeoutError (also a TimeoutError) for a timed-out one,
+ * DistNetworkError for a server that cannot be reached.
  */
 #include "py_common.h"
 
