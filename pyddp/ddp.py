@@ -14,7 +14,6 @@ model is a torch module. This file also holds what both share: choosing the path
 checking that every rank has the same parameters, and broadcasting rank 0's state.
 """
 import contextlib
-import os
 
 from . import _C
 from ._nccl_backend import caller_stream
@@ -78,7 +77,7 @@ def use_generic_path(pg, arrays, forced):
     """The C data path serves host memory (the CPU transport); everything else (GPU
     arrays) takes the generic path. forced=None reads PYDDP_DDP_GENERIC_PATH."""
     if forced is None:
-        forced = os.environ.get("PYDDP_DDP_GENERIC_PATH", "") not in ("", "0")
+        forced = _C.setting("PYDDP_DDP_GENERIC_PATH")
     if forced:
         return True
     return any(A._lib(a) not in ("torch", "numpy") or getattr(a, "is_cuda", False)

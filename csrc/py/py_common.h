@@ -61,5 +61,6 @@ int ddp_py_net_register(PyObject *m);
 int ddp_py_reducer_register(PyObject *m);
 int ddp_py_nccl_register(PyObject *m);
 int ddp_py_work_register(PyObject *m);
+int ddp_py_settings_register(PyObject *m);
 
 #endif
