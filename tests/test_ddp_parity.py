@@ -14,7 +14,7 @@ from launch import torchrun
 
 CASES = ["plain", "no_sync", "unused", "unused_no_sync", "view", "tiny_buckets", "static",
          "static_checkpoint",
-         "buffers", "strided", "generic", "generic_unused", "unused_error", "unused_alone",
+         "buffers", "strided", "generic", "generic_unused", "subgroup", "unused_error", "unused_alone",
          "mismatch_error"]
 
 

@@ -156,6 +156,30 @@ def run_parity(name, rank):
     print(f"PASS {name} rank={rank} max_rel_diff={worst:.3g}", flush=True)
 
 
+def run_subgroup(rank):
+    """DDP on a subgroup (process_group=): ranks 0 and 1 average only between
+    themselves, exactly as torch's DDP on the same gloo subgroup; at world size 3, rank
+    2 is not a member and runs plain local training, unaffected."""
+    members = [0, 1]
+    ours_g = pyddp.new_group(members)      # every rank calls new_group, as in torch
+    ref_g = tdist.new_group(members)
+    torch.manual_seed(77 + rank)
+    base = Net()
+    ref_model, our_model = copy.deepcopy(base), copy.deepcopy(base)
+    if rank not in members:
+        print(f"PASS subgroup rank={rank} (not a member)", flush=True)
+        return
+    ref = nn.parallel.DistributedDataParallel(ref_model, process_group=ref_g)
+    ours = pyddp.DistributedDataParallel(our_model, process_group=ours_g)
+    ref_losses = train(ref, ref_model, 1, _always, rank, lambda m, s: None)
+    our_losses = train(ours, our_model, 1, _always, rank, lambda m, s: None)
+    worst = rel_diff(torch.tensor(our_losses), torch.tensor(ref_losses))
+    for (k, p), (_, q) in zip(ref_model.named_parameters(), our_model.named_parameters()):
+        worst = max(worst, rel_diff(q.detach(), p.detach()))
+    assert worst <= RTOL, f"subgroup: differs from torch's DDP on the subgroup ({worst:.3g})"
+    print(f"PASS subgroup rank={rank} max_rel_diff={worst:.3g}", flush=True)
+
+
 def run_unused_error(rank):
     torch.manual_seed(5)
     model = Net()
@@ -237,7 +261,8 @@ def run_mismatch_error(rank):
 
 
 def main():
-    names = sys.argv[1:] or list(CONFIGS) + ["unused_error", "unused_alone", "mismatch_error"]
+    names = sys.argv[1:] or list(CONFIGS) + ["subgroup", "unused_error", "unused_alone",
+                                             "mismatch_error"]
     tdist.init_process_group("gloo")
     pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
     rank = pyddp.get_rank()
@@ -247,6 +272,8 @@ def main():
             run_unused_error(rank)
         elif name == "unused_alone":
             run_unused_alone(rank)
+        elif name == "subgroup":
+            run_subgroup(rank)
         elif name == "mismatch_error":
             run_mismatch_error(rank)
         else:
