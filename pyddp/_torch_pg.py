@@ -11,9 +11,10 @@ to pyddp's CPU transport and CUDA tensors to its NCCL path, chosen by the handle
 torch's options carry group ranks; pyddp's src/dst are global ranks, so roots are
 translated through the handle's member list. torch's semantics kept here:
 
-* every call is asynchronous: it returns a torch ``Work`` made from a
+* every call is asynchronous: it returns a torch ``Work`` (:class:`PyddpWork`) over a
   ``torch.futures.Future`` whose value is the list of output tensors, completed by
-  pyddp's own worker (``Work.add_done_callback``), never by a Python thread per call;
+  pyddp's own completion thread (``Work.add_done_callback``), never by a Python
+  thread per call;
 * errors raised while the collective runs reach the future as torch's DistError
   family; arguments pyddp refuses raise at the call, before anything is sent;
 * ``ReduceOp.PREMUL_SUM`` is a SUM of the inputs scaled by its factor; the bitwise
@@ -23,10 +24,10 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 import pyddp
 from . import _C
+from . import collectives as C
 
 _RedOpType = dist.ReduceOp.RedOpType
 _OPS = {_RedOpType.SUM: pyddp.ReduceOp.SUM, _RedOpType.AVG: pyddp.ReduceOp.AVG,
@@ -34,29 +35,32 @@ _OPS = {_RedOpType.SUM: pyddp.ReduceOp.SUM, _RedOpType.AVG: pyddp.ReduceOp.AVG,
         _RedOpType.PRODUCT: pyddp.ReduceOp.PRODUCT}
 
 
-class TimeoutError_(dist.DistBackendError, TimeoutError):
-    """A pyddp timeout as torch reports collective failures (DistBackendError), still
-    catchable as TimeoutError like pyddp's own DistTimeoutError."""
-
-
-TimeoutError_.__name__ = TimeoutError_.__qualname__ = "DistBackendTimeoutError"
+_MIXED = {}       # (torch class, pyddp class) -> the class raised for both
 
 
 def torch_error(e):
-    """The exception torch code expects for pyddp's exception e (same message, e as
-    its cause): DistNetworkError, DistStoreError, a DistBackendError that is also a
-    TimeoutError for timeouts, DistBackendError for every other pyddp DistError.
-    Anything else (argument errors, KeyboardInterrupt) is returned unchanged."""
+    """The exception torch code expects for pyddp's exception e: an instance of a class
+    derived from both torch's DistError class (DistNetworkError, DistStoreError, else
+    DistBackendError, the one torch raises for failed collectives) and e's own pyddp
+    class, so ``except torch.distributed.DistBackendError``, ``except
+    pyddp.CollectiveMismatchError`` and ``except TimeoutError`` (pyddp's timeouts) all
+    catch it. Same message, e as its cause. Anything else (argument errors,
+    KeyboardInterrupt, errors that already are torch's) is returned unchanged."""
     if isinstance(e, dist.DistError) or not isinstance(e, _C.DistError):
         return e
     if isinstance(e, _C.DistNetworkError):
-        cls = dist.DistNetworkError
+        tcls = dist.DistNetworkError
     elif isinstance(e, getattr(_C, "DistStoreError", ())):
-        cls = dist.DistStoreError
-    elif isinstance(e, _C.DistTimeoutError):
-        cls = TimeoutError_
+        tcls = dist.DistStoreError
     else:
-        cls = dist.DistBackendError
+        tcls = dist.DistBackendError
+    pcls = type(e)
+    cls = _MIXED.get((tcls, pcls))
+    if cls is None:
+        cls = type(pcls.__name__, (tcls, pcls), {
+            "__module__": "pyddp.torch_backend",
+            "__doc__": f"pyddp's {pcls.__name__} as torch's {tcls.__name__}."})
+        _MIXED[(tcls, pcls)] = cls
     out = cls(str(e))
     out.__cause__ = e
     return out
@@ -121,6 +125,65 @@ def _future_for(tensors):
     return torch.futures.Future(devices=devs) if devs else torch.futures.Future()
 
 
+class PyddpWork(dist.Work):
+    """The torch Work of a pyddp-backed call. torch's own future-wrapping Work
+    (``_create_work_from_future``) returns from ``wait()`` even when its future holds an
+    error, so this subclass of torch's Work (pybind's trampoline routes C++ callers'
+    ``wait`` and ``getFuture`` here too) waits on pyddp's works, which is interruptible
+    by Ctrl-C, and then on the future, which raises the collective's error as torch's
+    exception. ``get_future()`` gives the future itself (value: the output tensors)."""
+
+    def __init__(self, fut, works=()):
+        super().__init__()
+        self._fut = fut
+        self._works = list(works)
+
+    def wait(self, timeout=None):
+        # torch's C++ callers pass kNoTimeout, zero milliseconds, meaning "no timeout"
+        if timeout is not None and _seconds(timeout) <= 0:
+            timeout = None
+        for w in self._works:
+            try:
+                w.wait(timeout)
+            except Exception as e:  # noqa: BLE001 - a timeout here is the caller's
+                if not self._fut.done():
+                    raise torch_error(e) from e
+        self._fut.wait()
+        return True
+
+    def get_future(self):
+        return self._fut
+
+    def is_completed(self):
+        return self._fut.done()
+
+    def is_success(self):
+        return self._fut.done() and self.exception() is None
+
+    def exception(self):
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as e:  # noqa: BLE001 - the stored error, returned
+            return e
+        return None
+
+    def result(self):
+        return self._fut.value()
+
+    def synchronize(self):
+        self.wait()
+
+    def __repr__(self):
+        state = "done" if self._fut.done() else "pending"
+        return f"<pyddp Work {state}>"
+
+
+def _seconds(t):
+    return t.total_seconds() if hasattr(t, "total_seconds") else float(t)
+
+
 def _flat(lists):
     return [t for lst in lists for t in lst]
 
@@ -147,10 +210,10 @@ class _BackendInfo:
 
 
 class ProcessGroupPyddp(dist.ProcessGroup):
-    """A torch process group whose collectives run on pyddp group handle ``handle``
-    (a pyddp group; None stands for pyddp's default group). rank and size are this
-    process's rank in the group and the group's size; ranks are the handle's global
-    ranks, indexed by group rank; timeout is the group's (a timedelta)."""
+    """A torch process group whose collectives run on ``handle``, a pyddp group
+    (``pyddp._group.Group``). rank and size are this process's rank in the group and
+    the group's size; ranks are the handle's global ranks, indexed by group rank;
+    timeout is the group's (a timedelta); on_shutdown(pg) runs once at shutdown."""
 
     def __init__(self, handle, rank, size, ranks, timeout, on_shutdown=None):
         super().__init__(rank, size)
@@ -239,10 +302,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             _when_done(w, comp.done)
         if self._coalesced is not None:
             self._coalesced.append(fut)
-        return _create_work_from_future(fut)
-
-    def _ops(self, op):
-        return _reduce_op(op)
+        return PyddpWork(fut, works)
 
     # -- reductions -----------------------------------------------------------------
 
@@ -253,7 +313,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                 for t in tensors:
                     t.detach().mul_(factor)
         kw = self._kw()
-        return self._run([lambda t=t: pyddp.all_reduce(t, op=op, **kw) for t in tensors],
+        return self._run([lambda t=t: C.all_reduce(t, op=op, **kw) for t in tensors],
                          list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -263,10 +323,9 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                 for t in tensors:
                     t.detach().mul_(factor)
         kw = self._kw()
-        coalesced = getattr(pyddp, "all_reduce_coalesced", None)
-        if coalesced is not None and tensors:
-            return self._run([lambda: coalesced(list(tensors), op=op, **kw)], list(tensors))
-        return self._run([lambda t=t: pyddp.all_reduce(t, op=op, **kw) for t in tensors],
+        if not tensors:
+            return self._run([], [])
+        return self._run([lambda: C.all_reduce_coalesced(list(tensors), op=op, **kw)],
                          list(tensors))
 
     def reduce(self, tensors, opts):
@@ -274,7 +333,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         dst = self._global(opts.rootRank, "dst")
         kw = self._kw()
         if factor is None:
-            return self._run([lambda t=t: pyddp.reduce(t, dst=dst, op=op, **kw)
+            return self._run([lambda t=t: C.reduce(t, dst=dst, op=op, **kw)
                               for t in tensors], list(tensors))
         # reduce leaves non-root inputs unchanged: scale a copy, copy the root's back
         scaled = [_scaled(t, factor) for t in tensors]
@@ -285,7 +344,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                 with torch.no_grad():
                     for t, s in zip(tensors, scaled):
                         t.copy_(s)
-        return self._run([lambda s=s: pyddp.reduce(s, dst=dst, op=op, **kw) for s in scaled],
+        return self._run([lambda s=s: C.reduce(s, dst=dst, op=op, **kw) for s in scaled],
                          list(tensors), post)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
@@ -293,7 +352,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         if factor is not None:
             input_lists = [[_scaled(t, factor) for t in lst] for lst in input_lists]
         kw = self._kw()
-        return self._run([lambda o=o, lst=lst: pyddp.reduce_scatter(o, list(lst), op=op, **kw)
+        return self._run([lambda o=o, lst=lst: C.reduce_scatter(o, list(lst), op=op, **kw)
                           for o, lst in zip(outputs, input_lists)], list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -301,7 +360,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         if factor is not None:
             input = _scaled(input, factor)
         kw = self._kw()
-        return self._run([lambda: pyddp.reduce_scatter_tensor(output, input, op=op, **kw)],
+        return self._run([lambda: C.reduce_scatter_tensor(output, input, op=op, **kw)],
                          [output])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -311,7 +370,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         if factor is not None:
             inputs = [_scaled(t, factor) for t in inputs]
         kw = self._kw()
-        return self._run([lambda o=o, i=i: pyddp.reduce_scatter_tensor(o, i, op=op, **kw)
+        return self._run([lambda o=o, i=i: C.reduce_scatter_tensor(o, i, op=op, **kw)
                           for o, i in zip(outputs, inputs)], list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -321,12 +380,12 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         src = self._global(opts.rootRank if opts is not None else 0, "src")
         kw = self._kw()
-        return self._run([lambda t=t: pyddp.broadcast(t, src=src, **kw) for t in tensors],
+        return self._run([lambda t=t: C.broadcast(t, src=src, **kw) for t in tensors],
                          list(tensors))
 
     def allgather(self, output_lists, inputs, opts=None):
         kw = self._kw()
-        return self._run([lambda o=o, i=i: pyddp.all_gather(list(o), i, **kw)
+        return self._run([lambda o=o, i=i: C.all_gather(list(o), i, **kw)
                           for o, i in zip(output_lists, inputs)], _flat(output_lists))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -334,13 +393,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         kw = self._kw()
-        return self._run([lambda: pyddp.all_gather_into_tensor(output, input, **kw)], [output])
+        return self._run([lambda: C.all_gather_into_tensor(output, input, **kw)], [output])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         kw = self._kw()
-        return self._run([lambda o=o, i=i: pyddp.all_gather_into_tensor(o, i, **kw)
+        return self._run([lambda o=o, i=i: C.all_gather_into_tensor(o, i, **kw)
                           for o, i in zip(outputs, inputs)], list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -350,7 +409,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         me = self.rank() == opts.rootRank
         kw = self._kw()
         outs = list(output_lists[0]) if me and output_lists else None
-        return self._run([lambda: pyddp.gather(inputs[0], outs, dst=dst, **kw)],
+        return self._run([lambda: C.gather(inputs[0], outs, dst=dst, **kw)],
                          outs if outs is not None else [])
 
     def scatter(self, outputs, input_lists, opts):
@@ -358,12 +417,12 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         me = self.rank() == opts.rootRank
         kw = self._kw()
         ins = list(input_lists[0]) if me and input_lists else None
-        return self._run([lambda: pyddp.scatter(outputs[0], ins, src=src, **kw)],
+        return self._run([lambda: C.scatter(outputs[0], ins, src=src, **kw)],
                          list(outputs))
 
     def alltoall(self, outputs, inputs, opts=None):
         kw = self._kw()
-        return self._run([lambda: pyddp.all_to_all(list(outputs), list(inputs), **kw)],
+        return self._run([lambda: C.all_to_all(list(outputs), list(inputs), **kw)],
                          list(outputs))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
@@ -371,7 +430,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         kw = self._kw()
         osz = list(output_split_sizes) or None
         isz = list(input_split_sizes) or None
-        return self._run([lambda: pyddp.all_to_all_single(
+        return self._run([lambda: C.all_to_all_single(
             output, input, output_split_sizes=osz, input_split_sizes=isz, **kw)], [output])
 
     alltoall_base = all_to_all_single
@@ -380,12 +439,12 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def send(self, tensors, dst, tag=0):
         peer = self._global(dst, "dst")
-        return self._run([lambda t=t: pyddp.isend(t, peer, group=self._handle, tag=tag)
+        return self._run([lambda t=t: C.isend(t, peer, group=self._handle, tag=tag)
                           for t in tensors], list(tensors))
 
     def recv(self, tensors, src, tag=0):
         peer = self._global(src, "src")
-        return self._run([lambda t=t: pyddp.irecv(t, peer, group=self._handle, tag=tag)
+        return self._run([lambda t=t: C.irecv(t, peer, group=self._handle, tag=tag)
                           for t in tensors], list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
@@ -393,13 +452,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                                    "src= to recv/irecv")
 
     def barrier(self, opts=None):
-        return self._run([lambda: pyddp.barrier(**self._kw())], [])
+        return self._run([lambda: C.barrier(**self._kw())], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """torch's monitored_barrier: every rank reports to the group's first rank, which
         names the ranks that did not arrive within timeout (the group's by default)."""
         try:
-            pyddp.monitored_barrier(group=self._handle, timeout=timeout or self._timeout,
+            C.monitored_barrier(group=self._handle, timeout=timeout or self._timeout,
                                     wait_all_ranks=wait_all_ranks)
         except Exception as e:
             raise torch_error(e) from e
@@ -411,8 +470,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def _end_coalescing(self, device=None):
         futs, self._coalesced = self._coalesced or [], None
-        fut = torch.futures.collect_all(futs).then(lambda f: [])
-        return _create_work_from_future(fut)
+        return PyddpWork(torch.futures.collect_all(futs).then(_first_error_or_empty))
 
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing
@@ -430,11 +488,17 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def abort(self):
         """Break the group now: peers blocked on this rank fail fast."""
-        h = self._handle
-        abort = getattr(h, "abort", None)
-        if abort is not None:
-            abort("abort() called through torch")
+        pg = getattr(self._handle, "_pg", None)
+        if pg is not None:
+            pg.abort("abort() called through torch")
         self.shutdown()
+
+
+def _first_error_or_empty(all_done):
+    """collect_all's callback: re-raise the first member's error, else value []."""
+    for f in all_done.value():
+        f.value()
+    return []
 
 
 class _NoWorkType:

@@ -33,13 +33,13 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed import distributed_c10d as c10d
 
 import _pyddp_torch_hook
 import pyddp
 from . import _C, _env, _group
-from ._torch_pg import ProcessGroupPyddp, torch_error, _when_done
+from . import collectives as C
+from ._torch_pg import ProcessGroupPyddp, PyddpWork, torch_error, _when_done
 from .store import TCPStore
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
@@ -88,20 +88,21 @@ def _client(host, port, timeout_s):
 
 
 def _pyddp_store(store, rank, timeout_s):
-    """A pyddp.TCPStore reaching the same server as torch's store, or (a store that
-    is not a TCPStore) one that rank 0 hosts and announces through torch's store."""
+    """(pyddp.TCPStore, its host): a client of the server underneath torch's store, or,
+    for a store that is not a TCPStore, one that rank 0 hosts (for the life of the
+    process, like torchrun's agent store) and announces through torch's store."""
     base = _base_store(store)
     if isinstance(base, dist.TCPStore):
         host = base.host or "127.0.0.1"
-        return _client(host, base.port, timeout_s)
+        return _client(host, base.port, timeout_s), host
     if rank == 0:
         hosted = _group._hosted_store(("torch-backend",), "", 0, timeout_s)
         addr = _group._primary_address() if not os.environ.get("PYDDP_SOCKET_IFNAME") \
             else _env.advertise_address(None)
         store.set(_STORE_KEY, f"{addr}:{hosted.port}")
-        return hosted
+        return hosted, addr
     host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
-    return _client(host, int(port), timeout_s)
+    return _client(host, int(port), timeout_s), host
 
 
 def _options_backend(pg_options):
@@ -127,8 +128,9 @@ def _default_pyddp_pg():
 
 def create_process_group(opts, pg_options=None):
     """torch's creator for backend "pyddp" (extended API): the ProcessGroupPyddp of
-    this rank. Collective over the group's members. On failure nothing is left
-    registered; pyddp's error arrives as torch's DistError family."""
+    this rank. Collective over the group's members (torch calls it on members only).
+    On failure nothing is left behind; pyddp's error arrives as torch's DistError
+    family."""
     _patch_torch()
     rank, size = opts.group_rank, opts.group_size
     ranks = list(opts.global_ranks_in_group)
@@ -137,37 +139,29 @@ def create_process_group(opts, pg_options=None):
     name = str(opts.group_id)
     parent = _default_pyddp_pg() if ranks else None
     try:
-        if parent is not None and parent.handle is not None and backend is None:
-            handle = parent.handle.subgroup(sorted(ranks), name)
-            return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout)
-        with _State.lock:
-            gen = _State.generation
-            _State.generation += 1
-        store = _pyddp_store(opts.store, rank, timeout_s)
-        handle = _world(store, rank, size, timeout_s, f"{gen}.{name}", backend)
+        if parent is not None:
+            # new_group under a pyddp default group: torch's global ranks are the
+            # default group's, so the subgroup runs on its connections
+            handle = parent.handle.subgroup(sorted(ranks), name, backend=backend,
+                                            timeout_s=timeout_s)
+        else:
+            with _State.lock:
+                gen = _State.generation
+                _State.generation += 1
+            store, host = _pyddp_store(opts.store, rank, timeout_s)
+            handle = _group.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
+                                         backend=backend, master_addr=host)
     except Exception as e:
         raise torch_error(e) from e
-    members = handle.ranks if handle is not None else range(size)
-    return ProcessGroupPyddp(handle, rank, size, members, opts.timeout, _close)
-
-
-def _world(store, rank, size, timeout_s, name, backend):
-    """A standalone pyddp world group over store (every member calls it)."""
-    if not hasattr(_group, "create_world"):     # INTERIM until groups land
-        from datetime import timedelta
-        pyddp.init_process_group("cpu", store=store, rank=rank, world_size=size,
-                                 timeout=timedelta(seconds=timeout_s))
-        return None
-    return _group.create_world(store, rank, size, timeout_s, name, backend=backend)
+    return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout, _close)
 
 
 def _close(pg):
-    """ProcessGroupPyddp's shutdown: destroy its pyddp group."""
+    """ProcessGroupPyddp's shutdown: destroy its pyddp group (torch's
+    destroy_process_group shuts subgroups down before the default group)."""
     h = pg.handle
-    if h is None:                                # INTERIM
-        pyddp.destroy_process_group()
-    elif hasattr(h, "destroy"):
-        h.destroy()
+    if h is not None:
+        h._destroy()
 
 
 # -- the two torch functions that refuse unknown backends ----------------------------
@@ -197,30 +191,50 @@ def _batch_isend_irecv(orig):
         ops = []
         for op in p2p_op_list:
             send = op.op in (dist.isend, c10d.isend)
-            ops.append(pyddp.P2POp(pyddp.isend if send else pyddp.irecv, op.tensor,
+            ops.append(C.P2POp(C.isend if send else C.irecv, op.tensor,
                                    pg._global(op.group_peer, "peer"), group=pg.handle,
                                    tag=op.tag))
         try:
-            works = pyddp.batch_isend_irecv(ops)
+            works = C.batch_isend_irecv(ops)
         except Exception as e:
             raise torch_error(e) from e
-        out = []
-        for op, w in zip(p2p_op_list, works):
-            fut = torch.futures.Future(devices=[op.tensor.device]) if op.tensor.is_cuda \
-                else torch.futures.Future()
-            _when_done(w, functools.partial(_settle, fut, [op.tensor]))
-            out.append(_create_work_from_future(fut))
-        return out
+        # pyddp completes the whole batch at once; torch hands out one Work per op
+        futs = [torch.futures.Future(devices=[op.tensor.device]) if op.tensor.is_cuda
+                else torch.futures.Future() for op in p2p_op_list]
+        settle = functools.partial(_settle, futs, [[op.tensor] for op in p2p_op_list])
+        _Joined(works, settle)
+        return [PyddpWork(f, works) for f in futs]
     batch_isend_irecv._pyddp_orig = orig
     return batch_isend_irecv
 
 
-def _settle(fut, result, work):
-    exc = work.exception()
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(torch_error(exc))
+def _settle(futs, results, exc):
+    for fut, result in zip(futs, results):
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(torch_error(exc))
+
+
+class _Joined:
+    """Calls fn(first exception or None) once every work in works has finished."""
+
+    def __init__(self, works, fn):
+        self.left, self.exc, self.fn = len(works), None, fn
+        self.lock = threading.Lock()
+        if not works:
+            fn(None)
+        for w in works:
+            _when_done(w, self._one)
+
+    def _one(self, work):
+        e = work.exception()
+        with self.lock:
+            self.exc = self.exc or e
+            self.left -= 1
+            if self.left:
+                return
+        self.fn(self.exc)
 
 
 def _patch_torch():

@@ -95,6 +95,8 @@ def fit(strategy, devices, out):
     same = all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(),
                                                  model.state_dict().values()))
     result = {"strategy": strategy, "backend": backend, "world": trainer.world_size,
+              "strategy_class": type(trainer.strategy).__name__,
+              "registered_in": pyddp.lightning.registered_in(),
               "weights": [p.detach().flatten().tolist() for p in model.parameters()],
               "metrics": metrics, "test": tested, "sampler": sampler,
               "checkpoint_round_trip": same, "allreduce_kinds": sorted(SEEN)}

@@ -66,7 +66,10 @@ def run_errors(rank, ws):
         dist.all_reduce(torch.ones(4 + rank))
         print(f"rank {rank}: mismatch not detected", flush=True)
     except dist.DistBackendError as e:
-        print(f"ERRCASE mismatch rank={rank} type={type(e).__name__} msg={str(e)[:200]!r}",
+        import pyddp
+        print(f"ERRCASE mismatch rank={rank} type={type(e).__name__} "
+              f"pyddp_class={isinstance(e, pyddp.CollectiveMismatchError)} "
+              f"names_both={'rank 0 called' in str(e) and 'rank 1 called' in str(e)}",
               flush=True)
     dist.destroy_process_group()
     # 2. the group's timeout (from init_process_group's options): rank 1 stays away
@@ -122,6 +125,8 @@ def run_restart(rank, ws):
 def run_file(rank, ws, path):
     dist.init_process_group("pyddp", init_method=f"file://{path}", rank=rank, world_size=ws)
     base = dist.distributed_c10d._get_default_store()
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
     x = torch.full((5,), float(rank + 1))
     dist.all_reduce(x)
     assert torch.equal(x, torch.full((5,), float(sum(range(1, ws + 1))))), x

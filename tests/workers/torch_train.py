@@ -63,12 +63,12 @@ def _params(model):
         [b.detach().clone() for b in model.buffers() if b.dtype.is_floating_point]
 
 
-def _compare(ck, ours, ref, what, ws):
+def _compare(ck, ours, ref, what, ws, rtol=1e-5, atol=1e-7):
     for i, (a, b) in enumerate(zip(ours, ref)):
         if ws == 2:
             ck.eq(a, b, f"{what} tensor {i}")
         else:
-            ck.true(torch.allclose(a, b, rtol=1e-5, atol=1e-7),
+            ck.true(torch.allclose(a, b, rtol=rtol, atol=atol),
                     f"{what} tensor {i}: max diff {(a - b).abs().max().item()}")
 
 
@@ -108,7 +108,10 @@ def check_ddp(ck, rank, ws, gloo):
                         F.cross_entropy(m(x, use), y).backward()
                 opts[k].step()
             ours, ref = _params(models["pyddp"].module), _params(models["gloo"].module)
-            _compare(ck, ours, ref, f"ddp {name} step {step}", ws)
+            # float16 sums of 3+ terms: gloo rounds every partial sum, pyddp accumulates
+            # in float32 and rounds once, so they differ by float16 rounding
+            tol = {"rtol": 2e-3, "atol": 1e-5} if name == "fp16_hook" else {}
+            _compare(ck, ours, ref, f"ddp {name} step {step}", ws, **tol)
             # parameters only: BatchNorm's running statistics are per rank between syncs
             _same_everywhere(ck, [p.detach() for p in models["pyddp"].parameters()], gloo,
                              f"ddp {name} step {step}")
