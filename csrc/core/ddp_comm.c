@@ -253,6 +253,16 @@ int ddp_comm_world_rank(const ddp_comm *c, int r) { return c->members ? c->membe
 const char *ddp_comm_peer_desc(const ddp_comm *c, int r) {
     return c->root->desc[ddp_comm_world_rank(c, r)];
 }
+const char *ddp_comm_transport(ddp_comm *c, int r) {
+    if (r == c->rank) return "self";
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    ddp_link *l = root->links ? root->links[ddp_comm_world_rank(c, r)] : NULL;
+    const char *name = l ? l->ops->name : "closed";
+    pthread_mutex_unlock(&root->mu);
+    return name;
+}
+
 const char *ddp_comm_host_id(const ddp_comm *c, int r) {
     return c->root->host_ids[ddp_comm_world_rank(c, r)];
 }

@@ -83,6 +83,9 @@ int ddp_comm_rank(const ddp_comm *c);
 int ddp_comm_size(const ddp_comm *c);
 /* Human description of peer r, e.g. "rank 1 (10.0.0.2:40411)". */
 const char *ddp_comm_peer_desc(const ddp_comm *c, int r);
+/* The transport of the link to group rank r ("tcp", "shm"), "self" for this
+ * rank, "closed" once the communicator was destroyed. */
+const char *ddp_comm_transport(ddp_comm *c, int r);
 /* Host identity string of rank r, as published at rendezvous. */
 const char *ddp_comm_host_id(const ddp_comm *c, int r);
 

@@ -16,8 +16,9 @@
  * attach_nccl(store, prefix, device, timeout_ms, version)   collective
  * set_cuda_factory(fn)   fn() must attach NCCL (collective, every member)
  * submit(kind, a, b, op, root, timeout_ms, stream=None) -> Work
- * alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms) -> Work
- * p2p_batch([(is_send, array, peer), ...], timeout_ms) -> Work
+ * alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms, stream=None)
+ *   -> Work
+ * p2p_batch([(is_send, array, peer), ...], timeout_ms, stream=None) -> Work
  * where, by kind, a/b are:
  *   ALLREDUCE, BROADCAST, REDUCE, SEND, RECV: a = the array, b = None
  *   ALLGATHER, REDUCE_SCATTER, GATHER, SCATTER: a = input, b = output
@@ -412,20 +413,60 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     return ddp_py_work_new(pg, work, &a, &b, has_stream, stream);
 }
 
+/* The optional `stream` argument: 0 with *has = 0 for None, else its value. */
+static int stream_arg(PyObject *so, int *has, uintptr_t *stream) {
+    *has = so != NULL && so != Py_None;
+    *stream = 0;
+    if (!*has) return 0;
+    *stream = (uintptr_t)PyLong_AsUnsignedLongLong(so);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* Queue a collective whose arguments (arrays, counts) were prepared by the
- * caller; takes over arrs[0..n) and mem in every case. */
+ * caller; takes over arrs[0..n) and mem in every case. On a GPU transport
+ * the arrays are checked to be on its device first, the work is ordered
+ * after `stream` (has_stream) and published there at wait(), and the launch
+ * runs with the GIL released and Ctrl-C watched, as in pg_submit. */
 static PyObject *submit_prepared(PGObject *self, ddp_pg pg, ddp_coll_args *ca,
-                                 long long timeout_ms, ddp_py_array *arrs, int n, void *mem) {
-    ddp_pg_opts o = {.timeout_ms = timeout_ms, .notify = ddp_py_work_notify};
+                                 long long timeout_ms, int has_stream, uintptr_t stream,
+                                 ddp_py_array *arrs, int n, void *mem) {
+    ddp_pg_opts o = {.timeout_ms = timeout_ms, .has_stream = has_stream, .stream = stream,
+                     .notify = ddp_py_work_notify};
     ddp_pg_work work;
-    ddp_status st = ddp_pg_submit(pg, ca, &o, &work);
-    if (st != DDP_OK) {
+    ddp_status st = DDP_OK;
+    int rc = 0;
+    sig_check sc = {NULL, NULL, NULL, NULL};
+    for (int i = 0; i < n && rc == 0 && !pg.ops->notifies; i++)
+        if (arrs[i].owner) rc = ddp_py_nccl_check_array(pg, &arrs[i], "a tensor");
+    if (rc == 0 && pg.ops->notifies) {
+        st = ddp_pg_submit(pg, ca, &o, &work);   /* queues; never blocks */
+    } else if (rc == 0) {
+        ddp_pg_interrupt intr = {check_signals, &sc};
+        o.intr = &intr;
+        pg.ops->retain(pg.impl);   /* against a destroy() from another thread */
+        sc.ts = PyEval_SaveThread();
+        st = ddp_pg_submit(pg, ca, &o, &work);
+        PyEval_RestoreThread(sc.ts);
+        pg.ops->release(pg.impl);
+    }
+    if (rc == 0 && sc.et != NULL && st == DDP_OK) {
+        /* Interrupted while launching: the Work waits for the aborted work
+         * and then lets go of the arrays. */
+        Py_XDECREF(ddp_py_work_new_ex(pg, work, arrs, n, mem, has_stream, stream));
+        PyErr_Restore(sc.et, sc.ev, sc.tb);
+        return NULL;
+    }
+    if (rc != 0 || st != DDP_OK || sc.et != NULL) {
         for (int i = 0; i < n; i++) ddp_py_array_release(&arrs[i]);
         PyMem_Free(arrs);
         PyMem_Free(mem);
-        return ddp_py_raise(st, NULL);
+        if (sc.et != NULL) {
+            PyErr_Restore(sc.et, sc.ev, sc.tb);
+            return NULL;
+        }
+        return rc != 0 ? NULL : ddp_py_raise(st, NULL);
     }
-    return ddp_py_work_new_ex(pg, work, arrs, n, mem, 0, 0);
+    return ddp_py_work_new_ex(pg, work, arrs, n, mem, has_stream, stream);
 }
 
 /* Read a sequence of size non-negative ints into out (elements). */
@@ -454,9 +495,12 @@ static int size_list(PyObject *seq, int size, const char *what, size_t *out) {
 }
 
 static PyObject *pg_alltoall(PGObject *self, PyObject *args) {
-    PyObject *ao, *bo, *sc, *sd, *rc, *rd;
+    PyObject *ao, *bo, *sc, *sd, *rc, *rd, *so = NULL;
     long long timeout_ms = -1;
-    if (!PyArg_ParseTuple(args, "OOOOOO|L", &ao, &bo, &sc, &sd, &rc, &rd, &timeout_ms))
+    int has_stream;
+    uintptr_t stream;
+    if (!PyArg_ParseTuple(args, "OOOOOO|LO", &ao, &bo, &sc, &sd, &rc, &rd, &timeout_ms, &so) ||
+        stream_arg(so, &has_stream, &stream) < 0)
         return NULL;
     if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     int size = ddp_comm_size(self->comm);
@@ -506,13 +550,17 @@ static PyObject *pg_alltoall(PGObject *self, PyObject *args) {
     ca.sdispls = mem + size;
     ca.rcounts = mem + 2 * size;
     ca.rdispls = mem + 3 * size;
-    return submit_prepared(self, pg, &ca, timeout_ms, arrs, 2, mem);
+    return submit_prepared(self, pg, &ca, timeout_ms, has_stream, stream, arrs, 2, mem);
 }
 
 static PyObject *pg_p2p_batch(PGObject *self, PyObject *args) {
-    PyObject *list;
+    PyObject *list, *so = NULL;
     long long timeout_ms = -1;
-    if (!PyArg_ParseTuple(args, "O|L", &list, &timeout_ms)) return NULL;
+    int has_stream;
+    uintptr_t stream;
+    if (!PyArg_ParseTuple(args, "O|LO", &list, &timeout_ms, &so) ||
+        stream_arg(so, &has_stream, &stream) < 0)
+        return NULL;
     if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     PyObject *fast = PySequence_Fast(list, "ops must be a sequence of (is_send, array, peer)");
     if (fast == NULL) return NULL;
@@ -556,7 +604,7 @@ static PyObject *pg_p2p_batch(PGObject *self, PyObject *args) {
     ca.kind = DDP_COLL_P2P_BATCH;
     ca.nops = (int)n;
     ca.ops = ops;
-    return submit_prepared(self, pg, &ca, timeout_ms, arrs, (int)n, ops);
+    return submit_prepared(self, pg, &ca, timeout_ms, has_stream, stream, arrs, (int)n, ops);
 }
 
 static PyObject *pg_abort(PGObject *self, PyObject *args) {
@@ -588,6 +636,14 @@ static PyObject *pg_peer(PGObject *self, PyObject *args) {
     return Py_BuildValue("(ss)", ddp_comm_peer_desc(self->comm, r), ddp_comm_host_id(self->comm, r));
 }
 
+static PyObject *pg_transport(PGObject *self, PyObject *args) {
+    int r;
+    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
+    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
+        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
+    return PyUnicode_FromString(ddp_comm_transport(self->comm, r));
+}
+
 static PyObject *pg_get_rank(PGObject *self, void *c) {
     return self->comm ? PyLong_FromLong(ddp_comm_rank(self->comm)) : ddp_py_raise(DDP_ERR_INVALID, "destroyed");
 }
@@ -610,10 +666,11 @@ static PyMethodDef pg_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))pg_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(kind, a=None, b=None, op=0, root=0, timeout_ms=-1, stream=None) -> Work"},
     {"alltoall", (PyCFunction)pg_alltoall, METH_VARARGS,
-     "alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms=-1) -> Work "
-     "(counts and offsets in elements, one per group rank)"},
+     "alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms=-1, stream=None) "
+     "-> Work (counts and offsets in elements, one per group rank)"},
     {"p2p_batch", (PyCFunction)pg_p2p_batch, METH_VARARGS,
-     "p2p_batch([(is_send, array, peer), ...], timeout_ms=-1) -> Work (peers: group ranks)"},
+     "p2p_batch([(is_send, array, peer), ...], timeout_ms=-1, stream=None) -> Work (peers: "
+     "group ranks)"},
     {"subgroup", (PyCFunction)pg_subgroup, METH_VARARGS,
      "subgroup(ranks, tag) -> ProcessGroup (member-only, no communication)"},
     {"attach_nccl", (PyCFunction)pg_attach_nccl, METH_VARARGS,
@@ -623,6 +680,8 @@ static PyMethodDef pg_methods[] = {
     {"abort", (PyCFunction)pg_abort, METH_VARARGS, "Break the group now; peers fail fast."},
     {"destroy", (PyCFunction)pg_destroy, METH_NOARGS, "Close all connections."},
     {"peer", (PyCFunction)pg_peer, METH_VARARGS, "peer(rank) -> (description, host_id)"},
+    {"transport", (PyCFunction)pg_transport, METH_VARARGS,
+     "transport(rank) -> 'tcp', 'shm' or 'self': the CPU link to that group rank"},
     {NULL}
 };
 static PyGetSetDef pg_getset[] = {
