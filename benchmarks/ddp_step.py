@@ -8,8 +8,12 @@ MLP twice, wraps one copy in torch's DDP (gloo) and the other in pyddp's DDP (py
 CPU backend), and times full steps (zero_grad, forward, backward with the gradient
 all-reduce, SGD step) in turns, one step each, so that both see the same machine
 conditions. Part 2 runs one process (world size 1) and times the same step with no
-DDP, pyddp's DDP and torch's DDP. Prints the median step times (wall clock, and the
-process's CPU time, which a busy machine disturbs far less) and the ratios.
+DDP, pyddp's DDP and torch's DDP. Part 3 ("backend") launches 2 ranks whose default
+torch.distributed group is the "pyddp" backend and times torch's own DDP over it
+against the same torch DDP over a gloo group (new_group(backend="gloo")) in the same
+processes, steps alternated, on a ~6M-parameter MLP (--backend-hidden 2048). Prints the
+median step times (wall clock, and the process's CPU time, which a busy machine
+disturbs far less) and the ratios.
 Compute threads: one per rank (torchrun's OMP_NUM_THREADS=1; part 2 matches it).
 """
 import argparse
@@ -32,8 +36,11 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--part", choices=["all", "ranks", "single"], default="all")
+    p.add_argument("--backend-hidden", type=int, default=2048,
+                   help="hidden width of part 3's MLP (2048: 6.3M parameters)")
+    p.add_argument("--part", choices=["all", "ranks", "single", "backend"], default="all")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend-worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -107,6 +114,34 @@ def worker(args):
     tdist.destroy_process_group()
 
 
+def backend_worker(args):
+    """Part 3, on each rank: torch's DDP over the "pyddp" backend against torch's DDP
+    over gloo, both groups in these processes."""
+    import torch
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import pyddp.torch_backend  # noqa: F401 - registers "pyddp" even with autoload off
+    tdist.init_process_group("pyddp")
+    gloo = tdist.new_group(backend="gloo")
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 1024, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    ref = TorchDDP(make_model(args.backend_hidden), process_group=gloo)
+    ours = TorchDDP(make_model(args.backend_hidden))
+    nparams = sum(p.numel() for p in ref.parameters())
+    med = compare({"torch DDP over gloo": (ref, sgd(ref)),
+                   "torch DDP over pyddp": (ours, sgd(ours))}, args, x, y)
+    if rank == 0:
+        print(f"torch's DDP, {world} ranks, {nparams / 1e6:.1f}M parameters, batch {args.batch} "
+              f"per rank, {torch.get_num_threads()} compute thread(s) per rank")
+        report(med)
+        print(f"  over pyddp / over gloo step time ratio: "
+              f"{med['torch DDP over pyddp'][0] / med['torch DDP over gloo'][0]:.3f} wall, "
+              f"{med['torch DDP over pyddp'][1] / med['torch DDP over gloo'][1]:.3f} CPU")
+    tdist.destroy_process_group()
+
+
 def single(args):
     """Part 2: world size 1, no DDP vs pyddp DDP vs torch DDP, in one process."""
     import torch
@@ -141,14 +176,19 @@ def main():
     args = parse()
     if args.worker:
         return worker(args)
+    if args.backend_worker:
+        return backend_worker(args)
     passthrough = [f"--steps={args.steps}", f"--rounds={args.rounds}",
-                   f"--warmup={args.warmup}", f"--batch={args.batch}", f"--hidden={args.hidden}"]
+                   f"--warmup={args.warmup}", f"--batch={args.batch}", f"--hidden={args.hidden}",
+                   f"--backend-hidden={args.backend_hidden}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
+        "PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={args.nproc}", os.path.abspath(__file__)]
     if args.part in ("all", "ranks"):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
-            "PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), "--worker"]
-        subprocess.run(cmd + passthrough, env=env, check=True)
+        subprocess.run(cmd + ["--worker"] + passthrough, env=env, check=True)
+    if args.part in ("all", "backend"):
+        subprocess.run(cmd + ["--backend-worker"] + passthrough, env=env, check=True)
     if args.part in ("all", "single"):
         sys.path.insert(0, ROOT)
         single(args)
