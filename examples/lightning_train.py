@@ -80,9 +80,9 @@ def main():
     model = Classifier()
     trainer.fit(model, DataLoader(dataset(4096, 1), batch_size=64, shuffle=True),
                 DataLoader(dataset(1024, 2), batch_size=256))
+    m = dict(trainer.callback_metrics)     # trainer.test replaces them with its own
     result = trainer.test(model, DataLoader(dataset(1024, 3), batch_size=256), verbose=False)
     if trainer.global_rank == 0:
-        m = trainer.callback_metrics
         print(f"strategy ddp_pyddp on {trainer.world_size} ranks: train_loss "
               f"{m['train_loss'].item():.4f}, val_acc {m['val_acc'].item():.4f}, test_acc "
               f"{result[0]['test_acc']:.4f}, checkpoint "

@@ -55,3 +55,15 @@ def test_lightning_own_launcher(tmp_path):
                str(tmp_path)], env=env, timeout=240)
     gloo, ours = _results(res)
     _same_run(gloo, ours)
+
+
+def test_lightning_example_under_torchrun(tmp_path):
+    """examples/lightning_train.py under the README's torchrun line."""
+    from launch import ROOT
+    res = torchrun(f"{ROOT}/examples/lightning_train.py", 2,
+                   args=["--epochs", "2", "--checkpoint-dir", str(tmp_path)], timeout=240)
+    assert res.returncode == 0, res.output[-4000:]
+    m = re.search(r"strategy ddp_pyddp on 2 ranks: train_loss (\S+), val_acc (\S+), "
+                  r"test_acc (\S+), checkpoint (\S+)", res.stdout)
+    assert m, res.output[-3000:]
+    assert float(m.group(3)) > 0.9 and os.path.exists(m.group(4)), m.group(0)

@@ -141,3 +141,26 @@ def test_file_store_with_autoload_off(tmp_path):
     for r, res in enumerate(results):
         assert res.returncode == 0, res.output[-4000:]
         assert f"PASS file rank={r} store=FileStore" in res.output, res.output[-2000:]
+
+
+def test_example_differs_from_the_gloo_script_only_in_the_backend(tmp_path):
+    """examples/torch_backend.py is the stock torch script with BACKEND = "pyddp": the
+    gloo version (one line changed) trains to the same losses and accuracy."""
+    from launch import ROOT
+    example = f"{ROOT}/examples/torch_backend.py"
+    lines = open(example).read().splitlines()
+    gloo_lines = [line.replace('BACKEND = "pyddp"', 'BACKEND = "gloo"') for line in lines]
+    assert sum(a != b for a, b in zip(lines, gloo_lines)) == 1
+    assert not any(line.startswith(("import pyddp", "from pyddp")) for line in lines)
+    gloo = tmp_path / "torch_gloo.py"
+    gloo.write_text("\n".join(gloo_lines) + "\n")
+    outs = {}
+    for name, script in (("pyddp", example), ("gloo", str(gloo))):
+        res = torchrun(script, 2, args=["--epochs", "2", "--checkpoint",
+                                        str(tmp_path / f"{name}.pt")], timeout=180)
+        assert res.returncode == 0, res.output[-4000:]
+        assert f"backend {name}, 2 ranks" in res.stdout, res.output[-2000:]
+        outs[name] = re.findall(r"epoch \d/2  loss (\S+)", res.stdout)
+        acc = float(re.search(r"accuracy (\S+),", res.stdout).group(1))
+        assert acc > 0.9, res.stdout
+    assert len(outs["pyddp"]) == 2 and outs["pyddp"] == outs["gloo"], outs
