@@ -198,6 +198,33 @@ static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
     return DDP_OK;
 }
 
+/* After the header phase failed (a peer closed or timed out): if a header
+ * that did arrive shows a different call or group, that is the cause (the
+ * peer that saw the mismatch first broke its links, which is why this rank's
+ * exchange failed); report it instead of the lost connection. Otherwise keep
+ * failed's status and message. */
+static ddp_status explain_failure(ddp_status failed, const ddp_coll_hdr *mine,
+                                  const ddp_xfer *ops, int nops, const ddp_coll_xres *r,
+                                  const ddp_group *g) {
+    char saved[2048];
+    ddp_copy_error(saved, sizeof saved);
+    for (int i = 0; i < nops; i++) {
+        if (ops[i].send || ops[i].done < DDP_COLL_HDR_BYTES) continue;
+        int p = 0;   /* the group rank of this link (a subgroup numbers ranks its own way) */
+        while (p < g->size && g->links[p] != ops[i].link) p++;
+        if (p == g->size) continue;
+        ddp_coll_hdr h;
+        ddp_status st = hdr_read(r, p, mine, &h);
+        if (st == DDP_ERR_MISMATCH) return st;
+        if (st != DDP_OK) continue;
+        int is_p2p = mine->kind == DDP_COLL_SEND || mine->kind == DDP_COLL_RECV;
+        if (!is_p2p && (!same_call(mine, &h) || mine->path != h.path || mine->seq != h.seq))
+            return mismatch(g->rank, mine, p, &h);
+    }
+    ddp_set_error_text(saved);
+    return failed;
+}
+
 /* ---- the exchange ----------------------------------------------------------- */
 
 ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll_xchg *x,
@@ -242,7 +269,8 @@ ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll
                                  .len = hb + rbytes, .want = hb};
     }
 
-    if ((st = ddp_link_xfer(ops, nops, w)) != DDP_OK) return st;
+    if ((st = ddp_link_xfer(ops, nops, w)) != DDP_OK)
+        return st == DDP_ERR_CLOSED ? explain_failure(st, h, ops, nops, res, g) : st;
     if ((st = check_headers(g, h, x, res)) != DDP_OK) return st;
     for (int i = 0; i < nops; i++) ops[i].want = ops[i].len;
     return ddp_link_xfer(ops, nops, w);
