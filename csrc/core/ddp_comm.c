@@ -27,6 +27,7 @@ struct ddp_work {
     ddp_coll_args args;
     ddp_comm *comm;     /* the group it runs on (referenced) */
     int64_t timeout_ms;
+    uint64_t flight_id;
     void (*notify)(void *);
     void *notify_ctx;
     pthread_mutex_t mu;
@@ -144,10 +145,39 @@ static int copy_broken(ddp_comm *c, char *buf, size_t len) {
     return b;
 }
 
-static void worker_idle(ddp_comm *c) {
+/* Record w's end in the flight record and its group's progress; the worker
+ * is idle again. Before work_finish, so a waiter woken by it sees both. */
+static void worker_done(ddp_comm *c, ddp_work *w, ddp_status st) {
+    ddp_comm *g = w->comm;
     pthread_mutex_lock(&c->mu);
+    ddp_flight_ended(&c->flight, w->flight_id, st);
+    if (w->args.kind != DDP_COLL_SEND && w->args.kind != DDP_COLL_RECV &&
+        w->args.kind != DDP_COLL_P2P_BATCH) {
+        g->completed++;
+        ddp_flight_get(&c->flight, w->flight_id, &g->last_done);
+    }
     c->running = 0;
     pthread_mutex_unlock(&c->mu);
+}
+
+/* Announce a timeout of w in the stall store (see ddp_comm_set_stall_store).
+ * Best effort, bounded: a store that is gone only loses the announcement. */
+static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
+    if (c->stall_store == NULL) return;
+    char key[600], val[1200];
+    int64_t i = 0;
+    snprintf(key, sizeof key, "%s/stuck_n", c->stall_prefix);
+    if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, ddp_wait_for(2000, NULL)) != DDP_OK)
+        return;
+    pthread_mutex_lock(&c->mu);
+    ddp_flight_entry e = {0};
+    ddp_flight_get(&c->flight, w->flight_id, &e);
+    pthread_mutex_unlock(&c->mu);
+    uint64_t seq = e.seq;
+    snprintf(val, sizeof val, "rank=%d;tag=%016llx;seq=%llu;what=%s", c->rank,
+             (unsigned long long)w->comm->group.tag, (unsigned long long)seq, what);
+    snprintf(key, sizeof key, "%s/stuck/%lld", c->stall_prefix, (long long)i);
+    ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
 }
 
 static void *worker_main(void *arg) {
@@ -160,6 +190,7 @@ static void *worker_main(void *arg) {
         c->head = w->next;
         if (c->head == NULL) c->tail = NULL;
         c->running = 1;
+        ddp_flight_started(&c->flight, w->flight_id);
         int broken = c->broken;
         char bmsg[sizeof c->broken_msg];
         if (broken) memcpy(bmsg, c->broken_msg, sizeof bmsg);
@@ -170,15 +201,15 @@ static void *worker_main(void *arg) {
             snprintf(msg, sizeof msg,
                      "rank %d: %s cannot run: the process group is broken by an earlier "
                      "error: %s", c->rank, ddp_coll_name(w->args.kind), bmsg);
+            worker_done(c, w, DDP_ERR_ABORTED);
             work_finish(w, DDP_ERR_ABORTED, msg);
-            worker_idle(c);
             continue;
         }
         ddp_wait wt = ddp_wait_for(w->timeout_ms, &c->abort_flag);
         ddp_status st = ddp_coll_run(&w->comm->group, &w->args, wt);
         if (st == DDP_OK) {
+            worker_done(c, w, DDP_OK);
             work_finish(w, DDP_OK, NULL);
-            worker_idle(c);
             continue;
         }
         /* The algorithms' messages already name the collective, the rank and
@@ -194,11 +225,30 @@ static void *worker_main(void *arg) {
                      ddp_coll_name(w->args.kind), bmsg);
         else
             snprintf(msg, sizeof msg, "%s", ddp_last_error());
+        if (st == DDP_ERR_TIMEOUT) stall_announce(c, w, msg);
         comm_break(c, msg);
+        worker_done(c, w, st);
         work_finish(w, st, msg);
-        worker_idle(c);
     }
     return NULL;
+}
+
+/* Bytes of this rank's largest buffer in a call, for the flight record. */
+static uint64_t call_bytes(const ddp_comm *g, const ddp_coll_args *a) {
+    uint64_t es = ddp_dtype_size(a->dtype), n = 0;
+    switch (a->kind) {
+    case DDP_COLL_ALLTOALL:
+        for (int q = 0; q < g->size; q++) n += a->scounts[q];
+        return n * es;
+    case DDP_COLL_P2P_BATCH:
+        for (int i = 0; i < a->nops; i++) n += a->ops[i].count * ddp_dtype_size(a->ops[i].dtype);
+        return n;
+    case DDP_COLL_ALLGATHER: case DDP_COLL_REDUCE_SCATTER: case DDP_COLL_GATHER:
+    case DDP_COLL_SCATTER:
+        return a->count * es * (uint64_t)g->size;
+    default:
+        return a->count * es;
+    }
 }
 
 ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_pg_opts *o,
@@ -233,6 +283,12 @@ ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_p
         return st;
     }
     ddp_comm_retain(g);
+    int p2p = a->kind == DDP_COLL_SEND || a->kind == DDP_COLL_RECV || a->kind == DDP_COLL_P2P_BATCH;
+    ddp_flight_entry fe = {.tag = g->group.tag, .seq = p2p ? 0 : ++g->submitted,
+                           .kind = a->kind, .dtype = a->dtype, .op = a->op, .root = a->root,
+                           .group_rank = g->rank, .group_size = g->size,
+                           .bytes = call_bytes(g, a)};
+    w->flight_id = ddp_flight_queued(&c->flight, &fe);
     if (c->tail) c->tail->next = w; else c->head = w;
     c->tail = w;
     pthread_cond_signal(&c->cv);
@@ -391,6 +447,8 @@ static void comm_free(ddp_comm *c) {
     free(c->lines);
     free(c->desc);
     free(c->host_ids);
+    ddp_store_release(c->stall_store);
+    free(c->stall_prefix);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);
@@ -436,6 +494,40 @@ void ddp_comm_destroy(ddp_comm *c) {
     }
     pthread_mutex_unlock(&c->mu);
     ddp_comm_release(c);
+}
+
+/* ---- flight record and progress -------------------------------------- */
+
+size_t ddp_comm_flight(ddp_comm *c, ddp_flight_entry *out, size_t max) {
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    size_t n = ddp_flight_copy(&root->flight, out, max);
+    pthread_mutex_unlock(&root->mu);
+    return n;
+}
+
+void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
+                       ddp_flight_entry *last_done) {
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    *submitted = c->submitted;
+    *completed = c->completed;
+    *last_done = c->last_done;
+    pthread_mutex_unlock(&root->mu);
+}
+
+void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix) {
+    ddp_comm *root = c->root;
+    char *p = strdup(prefix ? prefix : "");
+    ddp_store_retain(s);
+    pthread_mutex_lock(&root->mu);
+    ddp_store *old = root->stall_store;
+    char *oldp = root->stall_prefix;
+    root->stall_store = s;
+    root->stall_prefix = p;
+    pthread_mutex_unlock(&root->mu);
+    ddp_store_release(old);
+    free(oldp);
 }
 
 /* ---- the process-group interface (ddp_pg.h) ---------------------------- */

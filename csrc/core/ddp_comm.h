@@ -39,6 +39,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include "ddp_coll.h"
+#include "ddp_flight.h"
 #include "ddp_pg.h"
 #include "ddp_store.h"
 
@@ -113,6 +114,23 @@ const char *ddp_work_error(const ddp_work *work);
 void ddp_work_retain(ddp_work *work);
 /* Drop the caller's reference (the worker holds its own until done). */
 void ddp_work_release(ddp_work *work);
+
+/* The flight record of c's communicator (every group over it): up to max
+ * entries, oldest first; returns how many (ddp_flight.h). Thread-safe. */
+size_t ddp_comm_flight(ddp_comm *c, ddp_flight_entry *out, size_t max);
+/* Progress of group c: collectives queued and finished on it (point-to-point
+ * excluded: the k-th is the group's collective #k), and the last finished
+ * (zeroed if none). Thread-safe. */
+void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
+                       ddp_flight_entry *last_done);
+/* When a collective of any group of c times out, before the communicator
+ * breaks, its worker announces it in the store s (retained) under prefix:
+ * ADD "<prefix>/stuck_n" 1 -> i, then SET "<prefix>/stuck/<i>" to
+ * "rank=R;tag=T;seq=K;what=DESCRIPTION" (R: world rank, T: the group's tag in
+ * hex, K: the collective's number on that group), each bounded by 2 s. So
+ * the other ranks can tell a peer's timeout from a crash and gather reports
+ * about who did not arrive. Call once, before work is queued. */
+void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix);
 
 /* Break the communicator now (thread-safe). */
 void ddp_comm_abort(ddp_comm *c, const char *reason);

@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include "ddp_comm.h"
+#include "ddp_flight.h"
 
 struct ddp_comm {
     int rank, size;        /* in this group */
@@ -28,6 +29,12 @@ struct ddp_comm {
     char **desc;           /* [size] "rank r (host:port)" (root owns; subgroup borrows) */
     char **host_ids;       /* [size] host identities (root owns; subgroup borrows) */
     ddp_group group;       /* worker-thread state for the algorithms */
+
+    /* Progress of this group (root->mu): collectives queued and finished
+     * (point-to-point excluded, so these match the group's sequence numbers),
+     * and the last one that finished. */
+    uint64_t submitted, completed;
+    ddp_flight_entry last_done;
 
     struct ddp_comm *root; /* self for a root; the parent's root for a subgroup */
     int *members;          /* subgroup: [size] root rank of each group rank; NULL for a root */
@@ -45,6 +52,9 @@ struct ddp_comm {
     int broken;
     char broken_msg[1400];
     atomic_int abort_flag; /* set when broken: every wait returns ABORTED */
+    ddp_flight flight;     /* the last collectives of every group (mu) */
+    ddp_store *stall_store; /* where a timeout is announced (ddp_comm_set_stall_store) */
+    char *stall_prefix;
 };
 
 /* Rendezvous and connect (ddp_comm_boot.c): fills rank, size, links, lines,

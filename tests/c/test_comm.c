@@ -28,7 +28,7 @@ typedef struct rank_ctx {
     ddp_comm *comm;
 } rank_ctx;
 
-enum { SC_SUM, SC_VERSION, SC_LEAVE, SC_ABORT, SC_INVALID, SC_SUB };
+enum { SC_SUM, SC_VERSION, SC_LEAVE, SC_ABORT, SC_INVALID, SC_SUB, SC_STALL };
 
 static ddp_status make_comm(rank_ctx *c, ddp_store **store) {
     T_OK(ddp_store_connect("127.0.0.1", c->port, ddp_wait_for(5000, NULL), store));
@@ -92,6 +92,45 @@ static void *rank_main(void *p) {
                 for (int r = 0; r < c->size; r++) want += (float)(r + k + i);
                 T_ASSERT(bufs[k][i] == want);
             }
+        }
+    } else if (c->scenario == SC_STALL) {
+        /* Flight record and progress after three all-reduces, then rank 0's
+         * fourth times out (rank 1 never calls it): its worker announces the
+         * timeout in the stall store before the group breaks. */
+        ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                           .count = 1000, .buf = x};
+        memset(x, 0, sizeof x);
+        for (int k = 0; k < 3; k++) T_OK(run_one(comm, &a, -1));
+        uint64_t sub = 0, done = 0;
+        ddp_flight_entry last, fr[DDP_FLIGHT_LEN];
+        ddp_comm_progress(comm, &sub, &done, &last);
+        T_ASSERT(sub == 3 && done == 3 && last.seq == 3 && last.bytes == 4000);
+        T_ASSERT(ddp_comm_flight(comm, fr, DDP_FLIGHT_LEN) == 3);
+        T_ASSERT(fr[2].kind == DDP_COLL_ALLREDUCE && fr[2].ended_us >= fr[2].started_us &&
+                 fr[2].started_us >= fr[2].queued_us && fr[2].status == DDP_OK);
+        if (c->rank == 0) {
+            ddp_store *st = NULL;
+            T_OK(ddp_store_connect("127.0.0.1", c->port, ddp_wait_for(5000, NULL), &st));
+            char pre[80];
+            snprintf(pre, sizeof pre, "%s/stall", c->prefix);
+            ddp_comm_set_stall_store(comm, st, pre);
+            T_STATUS(run_one(comm, &a, 300), DDP_ERR_TIMEOUT);
+            char key[128];
+            void *val = NULL;
+            size_t vlen = 0;
+            snprintf(key, sizeof key, "%s/stuck/1", pre);
+            T_OK(ddp_store_get(st, key, strlen(key), &val, &vlen, ddp_wait_for(5000, NULL)));
+            char buf[1300];
+            snprintf(buf, sizeof buf, "%.*s", (int)vlen, (char *)val);
+            free(val);
+            T_ASSERT(strncmp(buf, "rank=0;tag=", 11) == 0 && strstr(buf, ";seq=4;what=") != NULL);
+            ddp_comm_progress(comm, &sub, &done, &last);
+            T_ASSERT(sub == 4 && done == 4);   /* finished, with an error */
+            T_ASSERT(ddp_comm_flight(comm, fr, DDP_FLIGHT_LEN) == 4 &&
+                     fr[3].status == DDP_ERR_TIMEOUT);
+            ddp_store_release(st);
+        } else {
+            usleep(800 * 1000);
         }
     } else if (c->scenario == SC_SUB) {
         /* Even and odd ranks form two subgroups; a nested one of {1, 3}'s
@@ -286,6 +325,10 @@ int main(void) {
         T_ASSERT(strstr(ctx[r].msg, "9.9.9") && strstr(ctx[r].msg, "rank 1"));
     }
     printf("comm: version mismatch detected on every rank\n");
+
+    snprintf(prefix, sizeof prefix, "/test/%d", gen++);
+    run_world(2, SC_STALL, port, prefix, ctx);
+    printf("comm: flight record, progress, and a timeout announced in the store\n");
 
     snprintf(prefix, sizeof prefix, "/test/%d", gen++);
     run_impostor(port, prefix);
