@@ -39,7 +39,8 @@ import _pyddp_torch_hook
 import pyddp
 from . import _C, _env, _group
 from . import collectives as C
-from ._torch_pg import ProcessGroupPyddp, PyddpWork, torch_error, _when_done
+from ._torch_pg import ProcessGroupPyddp
+from ._torch_work import PyddpWork, _when_done, torch_error
 from .store import TCPStore
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]

@@ -53,8 +53,10 @@ info = {"registered": plugin is not None, "pyddp_imported": "pyddp" in sys.modul
 if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") == "0":
     t0 = time.perf_counter()
     import _pyddp_torch_hook
+    t1 = time.perf_counter()
     ok = _pyddp_torch_hook.register()
     info["hook_s"] = time.perf_counter() - t0
+    info["register_s"] = time.perf_counter() - t1
     info["registered_by_hook"] = ok
     dist.Backend._plugins.pop("PYDDP")
     info["after_pop"] = "PYDDP" in dist.Backend._plugins
@@ -90,10 +92,11 @@ def test_hook_cost_and_autoload_off():
     info = _probe({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert not info["registered"] and not info["hook_imported"], info
     assert info["registered_by_hook"] and not info["after_pop"], info
-    # import plus registration of the hook; the bound is generous for a loaded CI machine
-    assert info["hook_s"] < 0.005, info
-    print(f"hook import+register: {info['hook_s'] * 1e6:.0f} us "
-          f"(import torch: {info['import_torch_s']:.2f} s)")
+    # import plus registration of the hook (the import compiles the module when no
+    # bytecode is cached); the bounds are generous for a loaded CI machine
+    assert info["register_s"] < 0.002 and info["hook_s"] < 0.005, info
+    print(f"hook: register {info['register_s'] * 1e6:.0f} us, import+register "
+          f"{info['hook_s'] * 1e6:.0f} us (import torch: {info['import_torch_s']:.2f} s)")
     assert info["creator_is_hook_stub"], info      # pyddp.torch_backend registered it
 
 

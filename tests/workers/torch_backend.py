@@ -73,7 +73,7 @@ def run_errors(rank, ws):
               flush=True)
     dist.destroy_process_group()
     # 2. the group's timeout (from init_process_group's options): rank 1 stays away
-    dist.init_process_group("pyddp", timeout=datetime.timedelta(seconds=3))
+    dist.init_process_group("pyddp", timeout=datetime.timedelta(seconds=2))
     dist.barrier()
     if rank == 0:
         t0 = time.monotonic()
@@ -85,7 +85,7 @@ def run_errors(rank, ws):
                   f"timeouterror={isinstance(e, TimeoutError)} after={time.monotonic() - t0:.1f}",
                   flush=True)
     else:
-        time.sleep(6)
+        time.sleep(4)
     dist.destroy_process_group()
     # 3. a peer dies: the survivor fails fast, with a DistError
     dist.init_process_group("pyddp")
