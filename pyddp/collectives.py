@@ -369,7 +369,7 @@ def _offsets(counts):
 def _alltoall(g, inp, out, scounts, rcounts, async_op, post, what):
     pg = g.pg(what)
     w = Work(pg.alltoall(inp, out, scounts, _offsets(scounts), rcounts, _offsets(rcounts),
-                         timeout_ms(g)), post)
+                         timeout_ms(g), caller_stream(inp)), post)
     if async_op:
         return w
     w.wait()
@@ -468,7 +468,7 @@ def batch_isend_irecv(p2p_op_list):
         staged.append(s)
         ops.append((p.is_send, s.array, _rank_arg(g, p.peer, "peer")))
     pg = g.pg("batch_isend_irecv")
-    w = Work(pg.p2p_batch(ops, timeout_ms(g)),
+    w = Work(pg.p2p_batch(ops, timeout_ms(g), caller_stream(ops[0][1])),
              _finisher(*[s for s, p in zip(staged, p2p_op_list) if not p.is_send]))
     return [w]
 

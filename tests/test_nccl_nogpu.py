@@ -321,9 +321,131 @@ def test_launches_in_progress_still_complete(fakes):
 
 def test_array_on_another_device_is_refused(fakes):
     r = scenario("wrong_device", fakes, FAKE_CUDA_DEVICES=2)
+    for key in ("error", "a2a", "batch"):
+        cls, msg = r[key]
+        assert cls == "DistValueError", key
+        assert "is on cuda:1, but this rank's NCCL process group uses cuda:0" in msg, key
+    assert not any(x.startswith(("ncclGroupStart", "ncclSend", "ncclRecv")) for x in r["log"])
+
+
+def _launch(log, rank_stream):
+    """The calls of each grouped launch on the communicator stream rank_stream: a list
+    of (what came before ncclGroupStart, the calls inside the group)."""
+    out = []
+    for i, x in enumerate(log):
+        if x == "ncclGroupStart":
+            j = log.index("ncclGroupEnd", i)
+            inside = log[i + 1:j]
+            if all(y.endswith(f"stream={rank_stream}") for y in inside) and (
+                    inside or log[i - 1].endswith(f"stream={rank_stream}")):
+                out.append((log[:i], inside))
+    return out
+
+
+def test_grouped_collectives_public_api(fakes):
+    """all_to_all_single and batch_isend_irecv on GPU arrays at world size 1: results
+    against NumPy (one rank: its own block comes back), the own block as a device copy
+    between the producer-stream event and the completion event, and validation errors
+    that enqueue nothing."""
+    r = scenario("grouped_public", fakes)
+    for dt in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"):
+        assert r[f"single_{dt}"], dt
+    assert r["async"] == [True, list(range(10))]
+    assert r["in_place"] == [float(v) for v in range(8)]
+    cls, msg = r["own_split_mismatch"]
+    assert cls == "CollectiveMismatchError"
+    assert ("rank 0: all_to_all: rank 0 sends 3 elements to itself but expects 2 elements "
+            "from itself") in msg
+    cls, msg = r["overlap"]
+    assert cls == "DistValueError" and "cannot run in place" in msg
+    assert r["batch_self_send"] == ["DistValueError", "rank 0: batch_isend_irecv: op 0: rank 0 "
+                                    "cannot send to itself"]
+    assert r["batch_self_recv"][1].endswith("rank 0 cannot receive from itself")
+    assert r["batch_peer_range"][0] == "DistValueError"
+    assert r["enqueued_by_errors"] == 0 and r["after_errors"] == [0, 1, 2, 3]
+    log = r["log"]
+    comm = next(x for x in log if x.startswith("cudaStreamCreateWithFlags")).split()[1][7:]
+    caller = hex(0x5150)
+    # float16 6 x 3 first: ready event on the caller's stream, the comm stream waits, the
+    # own block (36 bytes) is copied there, an (empty) NCCL group, the completion event,
+    # and at wait() the caller's stream waits for it
+    i = log.index("ncclGroupStart")
+    rec_ready, wait_ready, copy, start, end, rec_done, caller_wait = log[i - 3:i + 4]
+    ready, done = rec_ready.split()[1], rec_done.split()[1]
+    assert rec_ready == f"cudaEventRecord {ready} stream={caller}"
+    assert wait_ready == f"cudaStreamWaitEvent stream={comm} {ready}"
+    assert copy == f"cudaMemcpyAsync bytes=36 stream={comm}"
+    assert (start, end) == ("ncclGroupStart", "ncclGroupEnd")
+    assert rec_done == f"cudaEventRecord {done} stream={comm}"
+    assert caller_wait == f"cudaStreamWaitEvent stream={caller} {done}"
+    # nothing goes through NCCL to oneself; 12 all_to_alls, the empty one copies nothing
+    assert not any(x.startswith(("ncclSend", "ncclRecv")) for x in log)
+    assert log.count("ncclGroupStart") == 12 == log.count("ncclGroupEnd")
+    assert sum(x.startswith("cudaMemcpyAsync") for x in log) == 11
+    assert "ncclCommAbort" not in log
+
+
+@pytest.mark.parametrize("env", [{}, {"FAKE_NCCL_INPROGRESS": 1}])
+def test_grouped_send_recv_between_two_ranks(fakes, env):
+    """Two ranks' NCCL communicators in one process (the fake moves ncclSend/ncclRecv
+    data between them): all_to_all with uneven splits and displacements, a batch with
+    mixed dtypes, against NumPy; each launch is one group of sends and receives on the
+    communicator's stream, after the producer stream; errors enqueue nothing."""
+    r = scenario("grouped_pair", fakes, **env)
+    assert r["a2a_wait"] == [True, True] and r["a2a"] == [True, True]
+    assert r["batch_wait"] == [True, True] and r["batch"] == [True, True, True]
+    log = r["a2a_log"]
+    s0, s1 = [x.split()[2][7:] for x in log if x.startswith("cudaMemcpyAsync")]
+    (before0, in0), = _launch(log, s0)
+    (before1, in1), = _launch(log, s1)
+    # S = [[2, 3], [4, 1]]: rank 0 keeps 2 (8 bytes), sends 3, receives 4; rank 1 keeps 1
+    assert in0 == [f"ncclSend count=3 type=7 peer=1 rank=0 stream={s0}",
+                   f"ncclRecv count=4 type=7 peer=1 rank=0 stream={s0}"]
+    assert in1 == [f"ncclSend count=4 type=7 peer=0 rank=1 stream={s1}",
+                   f"ncclRecv count=3 type=7 peer=0 rank=1 stream={s1}"]
+    rec, wait, copy = before0[-3:]
+    assert rec.startswith("cudaEventRecord") and rec.endswith(f"stream={hex(0x5150)}")
+    assert wait == f"cudaStreamWaitEvent stream={s0} {rec.split()[1]}"
+    assert copy == f"cudaMemcpyAsync bytes=8 stream={s0}"
+    assert before1[-1] == f"cudaMemcpyAsync bytes=4 stream={s1}"
+    log = r["batch_log"]
+    (before0, in0), = _launch(log, s0)
+    (_, in1), = _launch(log, s1)
+    # batch order kept, one call per op with its own dtype (float32 7, int64 4, int8 0),
+    # the empty op skipped on both sides
+    assert in0 == [f"ncclSend count=5 type=7 peer=1 rank=0 stream={s0}",
+                   f"ncclRecv count=4 type=4 peer=1 rank=0 stream={s0}",
+                   f"ncclSend count=3 type=0 peer=1 rank=0 stream={s0}"]
+    assert in1 == [f"ncclRecv count=5 type=7 peer=0 rank=1 stream={s1}",
+                   f"ncclSend count=4 type=4 peer=0 rank=1 stream={s1}",
+                   f"ncclRecv count=3 type=0 peer=0 rank=1 stream={s1}"]
+    assert before0[-2].endswith(f"stream={hex(0x5150)}")   # rank 0 passed a stream
+    assert not any("size mismatch" in x for x in r["a2a_log"] + log)
+    e = r["errors"]
+    assert e["peer_range"] == ["DistValueError", "rank 0: batch_isend_irecv: op 0: peer 2 is "
+                               "out of range for a group of 2 ranks (valid: 0..1)"]
+    assert e["peer_negative"][0] == "DistValueError" and "peer -1 is out of range" in \
+        e["peer_negative"][1]
+    assert e["self"] == ["DistValueError", "rank 0: batch_isend_irecv: op 1: rank 0 cannot "
+                         "receive from itself"]
+    assert e["own_block"][0] == "CollectiveMismatchError"
+    assert "rank 0 sends 1 elements to itself but expects 2" in e["own_block"][1]
+    assert e["overlap"][0] == "DistValueError" and "overlap" in e["overlap"][1]
+    assert r["enqueued_by_errors"] == 0
+
+
+@pytest.mark.parametrize("where", ["FAKE_CUDA_HANG", "FAKE_NCCL_LAUNCH_HANG"])
+def test_grouped_timeout_aborts_and_says_what_must_agree(fakes, where):
+    r = scenario("a2a_hang", fakes, **{where: 1})
     cls, msg = r["error"]
-    assert cls == "DistValueError"
-    assert "is on cuda:1, but this rank's NCCL process group uses cuda:0" in msg
+    assert cls == "DistTimeoutError"
+    assert "NCCL all_to_all #1 (6 x float32 sent, 6 received) on rank 0 (cuda:0)" in msg
+    if where == "FAKE_CUDA_HANG":
+        assert "did not complete within its timeout of 1.0 s" in msg
+        assert "rank p's input split for rank q must equal rank q's output split" in msg
+    else:
+        assert "NCCL did not finish launching it before the timeout" in msg
+    assert 0.9 < r["seconds"] < 30 and "ncclCommAbort" in r["log"]
 
 
 def test_async_error_aborts_and_names_rank_and_op(fakes):
@@ -387,14 +509,18 @@ def test_wait_after_clean_destroy(fakes):
     assert r["after"][0] == "DistError" and "not initialized" in r["after"][1]
 
 
-@pytest.mark.parametrize("where", ["FAKE_CUDA_HANG", "FAKE_NCCL_LAUNCH_HANG"])
-def test_ctrl_c_aborts_a_hung_collective(fakes, where):
-    """Ctrl-C while waiting for the GPU, or while NCCL is still launching."""
+@pytest.mark.parametrize("where,op", [("FAKE_CUDA_HANG", "all_reduce"),
+                                      ("FAKE_NCCL_LAUNCH_HANG", "all_reduce"),
+                                      ("FAKE_CUDA_HANG", "all_to_all"),
+                                      ("FAKE_NCCL_LAUNCH_HANG", "all_to_all")])
+def test_ctrl_c_aborts_a_hung_collective(fakes, where, op):
+    """Ctrl-C while waiting for the GPU, or while NCCL is still launching (for
+    all_to_all: a grouped send/recv launch, with the GIL released)."""
     if os.path.exists(fakes["log"]):
         os.unlink(fakes["log"])
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
                PYDDP_NCCL_LIBRARY=fakes["nccl"], PYDDP_CUDART_LIBRARY=fakes["cudart"],
-               FAKE_LOG=fakes["log"])
+               FAKE_LOG=fakes["log"], SCEN_OP=op)
     env[where] = "1"
     p = subprocess.Popen([sys.executable, SCENARIOS, "interrupt"], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -3,9 +3,19 @@
  * ordering, and host staging (contract in ddp_nccl_comm.h).
  *
  * NCCL has every kind of ddp_coll.h natively except gather and scatter on
- * older releases, which are built from grouped send/recv (the root copies
- * its own block locally). Barrier is a one-byte all-reduce on the
+ * older releases, all_to_all and batched send/recv: those are built, as NCCL
+ * users do, from one ncclSend/ncclRecv per transfer inside one
+ * ncclGroupStart/ncclGroupEnd, so NCCL runs them concurrently (no ordering
+ * deadlock between peers) and this rank's own block is a device-to-device
+ * copy on the communicator's stream. Barrier is a one-byte all-reduce on the
  * communicator's scratch buffer, completed before wait() returns.
+ *
+ * NCCL's send/recv carry no header: a peer cannot check that the sizes
+ * agree (rank p's scounts[q] against rank q's rcounts[p], a send's count
+ * and dtype against its receive). What is checked here is only what one
+ * rank can see; a mismatch between ranks shows, as for every NCCL
+ * collective, as a hang that the work's timeout ends (see
+ * ddp_nccl_work_done's message).
  */
 #include "ddp_nccl_internal.h"
 
@@ -56,7 +66,38 @@ static int has_root(ddp_coll_kind k) {
            k == DDP_COLL_SCATTER || k == DDP_COLL_SEND || k == DDP_COLL_RECV;
 }
 
+/* all_to_all and batches: the core's checks (NULL count arrays and ops,
+ * peer range, sends to oneself, overflowing extents, NULL buffers, in-place
+ * all_to_all), on a view of this communicator's rank and size, then what
+ * NCCL adds: every dtype must map, and the own block's two counts agree (the
+ * one size check NCCL's headerless send/recv leave to this rank). */
+static ddp_status validate_grouped(const ddp_nccl_comm *c, const ddp_coll_args *a) {
+    ddp_group view;
+    memset(&view, 0, sizeof view);
+    view.rank = c->rank;
+    view.size = c->size;
+    ddp_status st = ddp_coll_validate(&view, a);
+    int nt = 0;
+    if (st == DDP_OK && a->kind == DDP_COLL_ALLTOALL) {
+        st = ddp_nccl_map(a->dtype, DDP_SUM, &nt, NULL);
+        if (st == DDP_OK && a->scounts[c->rank] != a->rcounts[c->rank])
+            st = ddp_error(DDP_ERR_MISMATCH, "rank %d sends %zu elements to itself but "
+                           "expects %zu elements from itself (its input split and output "
+                           "split for rank %d must be equal)", c->rank,
+                           a->scounts[c->rank], a->rcounts[c->rank], c->rank);
+    }
+    for (int i = 0; st == DDP_OK && a->kind == DDP_COLL_P2P_BATCH && i < a->nops; i++) {
+        st = ddp_nccl_map(a->ops[i].dtype, DDP_SUM, &nt, NULL);
+        if (st != DDP_OK) st = ddp_error_prefix(st, "op %d: ", i);
+    }
+    if (st != DDP_OK)
+        return ddp_error_prefix(st, "rank %d: %s: ", c->rank, ddp_coll_name(a->kind));
+    return DDP_OK;
+}
+
 ddp_status ddp_nccl_validate(const ddp_nccl_comm *c, const ddp_coll_args *a) {
+    if (a->kind == DDP_COLL_ALLTOALL || a->kind == DDP_COLL_P2P_BATCH)
+        return validate_grouped(c, a);
     if (a->kind < DDP_COLL_ALLREDUCE || a->kind > DDP_COLL_BARRIER)
         return ddp_error(DDP_ERR_INVALID, "unknown collective kind %d", (int)a->kind);
     const char *nm = ddp_coll_name(a->kind);
@@ -118,6 +159,48 @@ typedef struct stage_plan {
     size_t out_bytes;
 } stage_plan;
 
+/* This rank's own block of a grouped exchange: a device copy on the
+ * communicator's stream (ordered with the NCCL kernels around it), which
+ * needs no NCCL connection to oneself. */
+static ddp_nc_result own_copy(ddp_nccl_comm *c, void *dst, const void *src, size_t bytes) {
+    if (bytes && dst != src &&
+        c->api->cudaMemcpyAsync(dst, src, bytes, DDP_CU_MEMCPY_DEFAULT, c->stream) != 0)
+        return 1; /* ncclUnhandledCudaError */
+    return DDP_NC_SUCCESS;
+}
+
+/* The transfers of one grouped launch, issued between ncclGroupStart and
+ * ncclGroupEnd by in_group. */
+typedef ddp_nc_result (*p2p_body)(ddp_nccl_comm *c, const ddp_coll_args *a, int nt);
+
+/* Run body inside one NCCL group; the group is closed even when a call in
+ * it failed (NCCL then reports the failure at ncclGroupEnd too), and the
+ * first failure is returned. ncclInProgress from ncclGroupEnd is settled by
+ * the caller like any launch. */
+static ddp_nc_result in_group(ddp_nccl_comm *c, const ddp_coll_args *a, int nt, p2p_body body) {
+    ddp_nc_result r = c->api->ncclGroupStart();
+    if (r != DDP_NC_SUCCESS) return r;
+    r = body(c, a, nt);
+    ddp_nc_result r2 = c->api->ncclGroupEnd();
+    return r != DDP_NC_SUCCESS ? r : r2;
+}
+
+/* Gather/scatter at the root: one receive / send per other rank. */
+static ddp_nc_result rooted_body(ddp_nccl_comm *c, const ddp_coll_args *a, int nt) {
+    const ddp_cuda_api *api = c->api;
+    size_t bytes = a->count * ddp_dtype_size(a->dtype);
+    ddp_nc_result r = DDP_NC_SUCCESS;
+    for (int p = 0; p < c->size && r == DDP_NC_SUCCESS; p++) {
+        if (p == c->rank) continue;
+        r = a->kind == DDP_COLL_GATHER
+                ? api->ncclRecv((char *)a->recvbuf + (size_t)p * bytes, a->count, nt, p, c->nc,
+                                c->stream)
+                : api->ncclSend((const char *)a->sendbuf + (size_t)p * bytes, a->count, nt, p,
+                                c->nc, c->stream);
+    }
+    return r;
+}
+
 /* Gather/scatter as grouped point-to-point calls; the root's own block is
  * a device copy. */
 static ddp_nc_result rooted_p2p(ddp_nccl_comm *c, const ddp_coll_args *a, int nt) {
@@ -130,20 +213,57 @@ static ddp_nc_result rooted_p2p(ddp_nccl_comm *c, const ddp_coll_args *a, int nt
     char *own_dst = gather ? (char *)a->recvbuf + (size_t)c->rank * bytes : (char *)a->recvbuf;
     const char *own_src = gather ? (const char *)a->sendbuf
                                  : (const char *)a->sendbuf + (size_t)c->rank * bytes;
-    if (bytes && own_dst != own_src &&
-        api->cudaMemcpyAsync(own_dst, own_src, bytes, DDP_CU_MEMCPY_DEFAULT, c->stream) != 0)
-        return 1; /* ncclUnhandledCudaError */
-    ddp_nc_result r = api->ncclGroupStart();
-    if (r != DDP_NC_SUCCESS) return r;
-    for (int p = 0; p < c->size && r == DDP_NC_SUCCESS; p++) {
-        if (p == c->rank) continue;
-        r = gather ? api->ncclRecv((char *)a->recvbuf + (size_t)p * bytes, a->count, nt, p, c->nc,
-                                   c->stream)
-                   : api->ncclSend((const char *)a->sendbuf + (size_t)p * bytes, a->count, nt, p,
-                                   c->nc, c->stream);
+    ddp_nc_result r = own_copy(c, own_dst, own_src, bytes);
+    return r != DDP_NC_SUCCESS ? r : in_group(c, a, nt, rooted_body);
+}
+
+/* all_to_all: a send of block q to rank q and a receive of rank q's block,
+ * for every other rank q. Empty blocks are skipped on both sides (when the
+ * ranks agree on the sizes, p skips its send to q exactly when q skips its
+ * receive from p), as torch's NCCL all_to_all does. */
+static ddp_nc_result a2a_body(ddp_nccl_comm *c, const ddp_coll_args *a, int nt) {
+    const ddp_cuda_api *api = c->api;
+    size_t es = ddp_dtype_size(a->dtype);
+    ddp_nc_result r = DDP_NC_SUCCESS;
+    for (int q = 0; q < c->size && r == DDP_NC_SUCCESS; q++) {
+        if (q == c->rank) continue;
+        if (a->scounts[q])
+            r = api->ncclSend((const char *)a->sendbuf + a->sdispls[q] * es, a->scounts[q], nt,
+                              q, c->nc, c->stream);
+        if (r == DDP_NC_SUCCESS && a->rcounts[q])
+            r = api->ncclRecv((char *)a->recvbuf + a->rdispls[q] * es, a->rcounts[q], nt, q,
+                              c->nc, c->stream);
     }
-    ddp_nc_result r2 = api->ncclGroupEnd();   /* always close the group */
-    return r != DDP_NC_SUCCESS ? r : r2;
+    return r;
+}
+
+static ddp_nc_result alltoall(ddp_nccl_comm *c, const ddp_coll_args *a, int nt) {
+    size_t es = ddp_dtype_size(a->dtype);
+    int me = c->rank;   /* validated: scounts[me] == rcounts[me] */
+    ddp_nc_result r = DDP_NC_SUCCESS;
+    if (a->scounts[me])   /* the buffers may be NULL when nothing moves */
+        r = own_copy(c, (char *)a->recvbuf + a->rdispls[me] * es,
+                     (const char *)a->sendbuf + a->sdispls[me] * es, a->scounts[me] * es);
+    return r != DDP_NC_SUCCESS ? r : in_group(c, a, nt, a2a_body);
+}
+
+/* A batch: each op as its own send or receive, in batch order (NCCL pairs
+ * the k-th send to a peer with that peer's k-th receive from this rank, as
+ * ddp_p2p_op requires). Empty ops are skipped, which keeps that pairing
+ * whenever the peers agree on the counts. */
+static ddp_nc_result batch_body(ddp_nccl_comm *c, const ddp_coll_args *a, int unused) {
+    (void)unused;
+    const ddp_cuda_api *api = c->api;
+    ddp_nc_result r = DDP_NC_SUCCESS;
+    for (int i = 0; i < a->nops && r == DDP_NC_SUCCESS; i++) {
+        const ddp_p2p_op *o = &a->ops[i];
+        int nt = 0;
+        if (o->count == 0) continue;
+        if (ddp_nccl_map(o->dtype, DDP_SUM, &nt, NULL) != DDP_OK) return 4; /* validated */
+        r = o->is_send ? api->ncclSend(o->buf, o->count, nt, o->peer, c->nc, c->stream)
+                       : api->ncclRecv(o->buf, o->count, nt, o->peer, c->nc, c->stream);
+    }
+    return r;
 }
 
 static ddp_nc_result call_nccl(ddp_nccl_comm *c, const ddp_coll_args *a, int nt, int no) {
@@ -163,6 +283,8 @@ static ddp_nc_result call_nccl(ddp_nccl_comm *c, const ddp_coll_args *a, int nt,
     case DDP_COLL_GATHER: case DDP_COLL_SCATTER: return rooted_p2p(c, a, nt);
     case DDP_COLL_BARRIER:
         return api->ncclAllReduce(c->scratch, c->scratch, 1, DDP_NC_UINT8, DDP_NC_MAX, nc, s);
+    case DDP_COLL_ALLTOALL: return alltoall(c, a, nt);
+    case DDP_COLL_P2P_BATCH: return in_group(c, a, 0, batch_body);
     }
     return 4; /* ncclInvalidArgument */
 }
@@ -175,15 +297,16 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
                                const ddp_nccl_interrupt *intr, ddp_nccl_work *w) {
     const ddp_cuda_api *api = c->api;
     char d[200];
-    ddp_nccl_describe(c, a->kind, c->seq + 1, a->count, a->dtype, d, sizeof d);
+    ddp_nccl_describe(c, a->kind, c->seq + 1, w->count, w->count2, a->dtype, d, sizeof d);
     if (atomic_load(&c->broken) || c->nc == NULL)
         return ddp_error(atomic_load(&c->broken) ? c->broken_st : DDP_ERR_INVALID,
                          "%s: %s", d, atomic_load(&c->broken) ? c->broken_msg
                                                               : "the communicator is gone");
     ddp_status st = ddp_nccl_use_device(c);
     if (st != DDP_OK) return st;
-    int nt, no = 0;
-    st = ddp_nccl_map(a->dtype, a->op, &nt, is_reduction(a->kind) ? &no : NULL);
+    int nt = 0, no = 0;   /* a batch maps each op's own dtype (batch_body) */
+    if (a->kind != DDP_COLL_P2P_BATCH)
+        st = ddp_nccl_map(a->dtype, a->op, &nt, is_reduction(a->kind) ? &no : NULL);
     if (st != DDP_OK) return st;
     ddp_cu_err e = DDP_CU_SUCCESS;
     const char *what = "";
@@ -300,6 +423,10 @@ static void stage_sizes(const ddp_nccl_comm *c, const ddp_coll_args *a, const vo
 
 ddp_status ddp_nccl_run_host(ddp_nccl_comm *c, const ddp_coll_args *a, int64_t timeout_ms,
                              const atomic_int *abort) {
+    if (a->kind == DDP_COLL_ALLTOALL || a->kind == DDP_COLL_P2P_BATCH)   /* no staging plan */
+        return ddp_error(DDP_ERR_INVALID, "rank %d: %s on host arrays is not staged through "
+                         "NCCL; host arrays take the CPU transport", c->rank,
+                         ddp_coll_name(a->kind));
     const void *in;
     void *out;
     size_t in_bytes, out_bytes;

@@ -34,9 +34,17 @@ ddp_status ddp_nccl_use_device(ddp_nccl_comm *c) {
 }
 
 const char *ddp_nccl_describe(const ddp_nccl_comm *c, ddp_coll_kind k, uint64_t seq,
-                              size_t count, ddp_dtype t, char *buf, size_t len) {
-    snprintf(buf, len, "NCCL %s #%llu (%zu x %s) on rank %d (cuda:%d)", ddp_coll_name(k),
-             (unsigned long long)seq, count, ddp_dtype_name(t), c->rank, c->device);
+                              size_t count, size_t count2, ddp_dtype t, char *buf, size_t len) {
+    char sz[96];
+    if (k == DDP_COLL_ALLTOALL)
+        snprintf(sz, sizeof sz, "%zu x %s sent, %zu received", count, ddp_dtype_name(t), count2);
+    else if (k == DDP_COLL_P2P_BATCH)
+        snprintf(sz, sizeof sz, "%zu send%s, %zu receive%s", count, count == 1 ? "" : "s",
+                 count2, count2 == 1 ? "" : "s");
+    else
+        snprintf(sz, sizeof sz, "%zu x %s", count, ddp_dtype_name(t));
+    snprintf(buf, len, "NCCL %s #%llu (%s) on rank %d (cuda:%d)", ddp_coll_name(k),
+             (unsigned long long)seq, sz, c->rank, c->device);
     return buf;
 }
 
@@ -357,6 +365,19 @@ ddp_nccl_work *ddp_nccl_work_new(ddp_nccl_comm *c, const ddp_coll_args *a, int64
     w->kind = a->kind;
     w->dtype = a->dtype;
     w->count = a->count;
+    if (a->kind == DDP_COLL_ALLTOALL) {         /* validated: the arrays are there */
+        w->count = w->count2 = 0;
+        for (int p = 0; p < c->size; p++) {
+            w->count += a->scounts[p];
+            w->count2 += a->rcounts[p];
+        }
+    } else if (a->kind == DDP_COLL_P2P_BATCH) {
+        w->count = w->count2 = 0;
+        for (int i = 0; i < a->nops; i++) {
+            if (a->ops[i].is_send) w->count++;
+            else w->count2++;
+        }
+    }
     pthread_mutex_init(&w->mu, NULL);
     atomic_init(&w->state, 0);
     ddp_nccl_comm_retain(c);
@@ -383,12 +404,24 @@ static void work_finish(ddp_nccl_work *w, ddp_status st, const char *fmt, ...) {
     pthread_mutex_unlock(&w->mu);
 }
 
+/* NCCL's send/recv carry no sizes the peer could check, so a size mismatch
+ * in a grouped exchange is just a hang: say what has to agree. */
+static const char *size_hint(ddp_coll_kind k) {
+    if (k == DDP_COLL_ALLTOALL)
+        return " (for all_to_all: rank p's input split for rank q must equal rank q's output "
+               "split for rank p)";
+    if (k == DDP_COLL_P2P_BATCH)
+        return " (for batch_isend_irecv: each send needs a receive of the same count and dtype "
+               "on its peer, in the same order)";
+    return "";
+}
+
 int ddp_nccl_work_done(ddp_nccl_work *w) {
     if (atomic_load(&w->state) != 0) return 1;
     ddp_nccl_comm *c = w->comm;
     const ddp_cuda_api *api = c->api;
     char d[200], e[600];
-    ddp_nccl_describe(c, w->kind, w->seq, w->count, w->dtype, d, sizeof d);
+    ddp_nccl_describe(c, w->kind, w->seq, w->count, w->count2, w->dtype, d, sizeof d);
     if (atomic_load(&c->broken)) {
         /* After a clean finalize the events are trustworthy; after a failure a
          * completed event may belong to a kernel that gave up. */
@@ -427,7 +460,8 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
                       "the NCCL communicator was aborted. Some rank did not reach this "
                       "collective, is stuck or died, or called a different collective (NCCL "
                       "cannot tell which): check that every rank calls the same collectives "
-                      "in the same order with the same sizes", d, (double)w->timeout_ms / 1000.0);
+                      "in the same order with the same sizes%s", d, (double)w->timeout_ms / 1000.0,
+                      size_hint(w->kind));
     } else {
         return 0;
     }

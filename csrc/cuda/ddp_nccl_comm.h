@@ -65,7 +65,11 @@ int ddp_nccl_comm_device(const ddp_nccl_comm *c);
 ddp_status ddp_nccl_map(ddp_dtype t, ddp_redop op, int *nc_type, int *nc_op);
 
 /* Check a collective before anything is enqueued: root/peer range, sending
- * to oneself, dtype and op. DDP_ERR_INVALID / DDP_ERR_TYPE with a message. */
+ * to oneself, dtype and op; for all_to_all also the count arrays, extents,
+ * NULL and overlapping buffers and the own block (its input and output
+ * split must agree), for a batch every op (peer, self, dtype, buffer).
+ * DDP_ERR_INVALID / DDP_ERR_TYPE / DDP_ERR_MISMATCH with a message. NCCL
+ * cannot check that the peers agree on sizes: see ddp_nccl_coll.c. */
 ddp_status ddp_nccl_validate(const ddp_nccl_comm *c, const ddp_coll_args *a);
 
 /* The device that owns ptr (device or managed memory), or DDP_ERR_INVALID
@@ -88,7 +92,9 @@ ddp_status ddp_nccl_submit(ddp_nccl_comm *c, const ddp_coll_args *a, int has_pro
                            const ddp_nccl_interrupt *intr, ddp_nccl_work **out);
 
 /* Run a validated collective on host buffers to completion, staging it
- * through device memory; bounded by the timeout and the abort flag. */
+ * through device memory; bounded by the timeout and the abort flag.
+ * all_to_all and batches are refused (DDP_ERR_INVALID): host arrays take
+ * the CPU transport. */
 ddp_status ddp_nccl_run_host(ddp_nccl_comm *c, const ddp_coll_args *a, int64_t timeout_ms,
                              const atomic_int *abort);
 

@@ -42,7 +42,8 @@ struct ddp_nccl_work {
     int64_t timeout_ms;          /* for messages */
     ddp_coll_kind kind;
     ddp_dtype dtype;
-    size_t count;
+    size_t count;                /* all_to_all: elements sent in all; batch: sends */
+    size_t count2;               /* all_to_all: elements received in all; batch: receives */
     uint64_t seq;
     pthread_mutex_t mu;          /* guards the transition out of pending */
     atomic_int state;            /* 0 pending, 1 succeeded, 2 failed */
@@ -67,9 +68,10 @@ void ddp_nccl_fail_locked(ddp_nccl_comm *c, ddp_status st, const char *fmt, ...)
 ddp_status ddp_nccl_settle_locked(ddp_nccl_comm *c, ddp_nc_result r, const char *what,
                                   ddp_wait w, const ddp_nccl_interrupt *intr);
 
-/* "NCCL all_reduce #12 (1024 x float32) on rank 3 (cuda:3)" into buf. */
+/* "NCCL all_reduce #12 (1024 x float32) on rank 3 (cuda:3)" into buf; for
+ * all_to_all and batches the sizes are count/count2 as in ddp_nccl_work. */
 const char *ddp_nccl_describe(const ddp_nccl_comm *c, ddp_coll_kind k, uint64_t seq,
-                              size_t count, ddp_dtype t, char *buf, size_t len);
+                              size_t count, size_t count2, ddp_dtype t, char *buf, size_t len);
 
 /* NCCL's text for r plus its last error detail, into buf. */
 const char *ddp_nccl_errtext(const ddp_nccl_comm *c, ddp_nc_result r, char *buf, size_t len);
