@@ -57,15 +57,17 @@ class Work:
     arrays it writes must stay alive until then).
     """
 
-    def __init__(self, work, post=None):
+    def __init__(self, work, post=None, group=None):
         self._work = work
         self._post = post
         self._done = False
         self._lock = None if post is None else threading.Lock()
+        self._group = group
 
     def _copy_out(self):
-        """Run the copy-out once, whichever thread gets here first."""
-        if self._post is None:
+        """Run the copy-out once, whichever thread gets here first; a second thread
+        returns only after it finished (the check is under the lock for that)."""
+        if self._lock is None:
             return
         with self._lock:
             post, self._post = self._post, None
