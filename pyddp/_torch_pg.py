@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import pyddp
 from . import collectives as C
-from ._torch_work import PyddpWork, _Completion, _NoWork, _first_error_or_empty, \
-    _future_for, _when_done, torch_error
+from ._torch_work import PyddpWork, _Completion, _first_error_or_empty, _future_for, \
+    raise_as_torch
 
 _RedOpType = dist.ReduceOp.RedOpType
 _OPS = {_RedOpType.SUM: pyddp.ReduceOp.SUM, _RedOpType.AVG: pyddp.ReduceOp.AVG,
@@ -157,22 +157,18 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                     works.append(w)
         except Exception as e:
             if not works:
-                raise torch_error(e) from e
+                raise_as_torch(e)
             # The calls already queued run anyway; wait for them, then report.
             for w in works:
                 try:
                     w.wait()
                 except Exception:  # noqa: BLE001 - the first error is reported below
                     pass
-            raise torch_error(e) from e
-        comp = _Completion(fut, max(len(works), 1), result, post)
-        if not works:
-            comp.done(_NoWork)
-        for w in works:
-            _when_done(w, comp.done)
+            raise_as_torch(e)
+        comp = _Completion(fut, works, result, post)
         if self._coalesced is not None:
             self._coalesced.append(fut)
-        return PyddpWork(fut, works)
+        return PyddpWork(fut, comp)
 
     # -- reductions -----------------------------------------------------------------
 
@@ -331,7 +327,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             C.monitored_barrier(group=self._handle, timeout=timeout or self._timeout,
                                     wait_all_ranks=wait_all_ranks)
         except Exception as e:
-            raise torch_error(e) from e
+            raise_as_torch(e)
 
     # -- coalescing (torch's old-style _coalescing_manager with a device) ---------------
 

@@ -4,10 +4,14 @@ future behind it, and pyddp's errors as torch's.
 A call of :class:`pyddp._torch_pg.ProcessGroupPyddp` starts one or more pyddp works; a
 :class:`_Completion` counts them down from pyddp's completion thread
 (``Work.add_done_callback``) and then completes one ``torch.futures.Future``, with the
-output tensors or with the first error as torch's exception (:func:`torch_error`).
-:class:`PyddpWork` is the torch ``Work`` handed back to torch.
+output tensors or with the first error as torch's exception (:func:`torch_error`), on
+a small reused pool (:class:`_Dispatcher`) so that callbacks chained on the future may
+wait for other collectives. :class:`PyddpWork` is the torch ``Work`` handed to torch.
 """
+import collections
+import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,36 +49,128 @@ def torch_error(e):
     return out
 
 
+def raise_as_torch(e):
+    """Raise torch_error(e) with e as its cause, or e itself when it needs no mapping
+    (call inside the ``except`` block that caught e)."""
+    t = torch_error(e)
+    if t is e:
+        raise e
+    raise t from e
+
+
+class _Dispatcher:
+    """Runs the completion of torch futures off pyddp's completion thread.
+
+    Completing a torch future runs the callbacks chained on it with ``then()`` (DDP's
+    reducer, comm hooks) on the completing thread. Some of them wait, inside the
+    callback, for another collective's future (PowerSGD's hook does); if that ran on
+    pyddp's single completion thread, the inner future could never complete. So
+    pyddp's thread only queues the completion here, and a small pool of long-lived
+    threads runs it: one thread normally (reused by every call, never one per call),
+    another started only when every pool thread is busy, up to MAX_THREADS. Idle
+    threads exit after IDLE_S seconds."""
+
+    MAX_THREADS = 32
+    IDLE_S = 30.0
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, fn):
+        """Queue fn() to run on a pool thread (started if none is idle)."""
+        with self._cv:
+            self._queue.append(fn)
+            if self._idle > len(self._queue) - 1:
+                self._cv.notify()
+                return
+            if self._threads >= self.MAX_THREADS:
+                return          # runs when a busy thread frees up
+            self._threads += 1
+        try:
+            threading.Thread(target=self._loop, name="pyddp-torch-completion",
+                             daemon=True).start()
+        except RuntimeError:    # cannot start threads (interpreter shutting down)
+            with self._cv:
+                self._threads -= 1
+            self._run_queued()
+
+    def _run_queued(self):
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return
+                fn = self._queue.popleft()
+            fn()
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                self._idle += 1
+                deadline = time.monotonic() + self.IDLE_S
+                while not self._queue:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._idle -= 1
+                        self._threads -= 1
+                        return
+                    self._cv.wait(left)
+                self._idle -= 1
+                fn = self._queue.popleft()
+            fn()
+
+    def _after_fork(self):
+        self.__init__()         # the pool's threads do not exist in a forked child
+
+
+_DISPATCH = _Dispatcher()
+os.register_at_fork(after_in_child=_DISPATCH._after_fork)
+
+
 class _Completion:
     """Completes one torch future once every pyddp Work of a call has finished: with
-    ``result`` (after ``post()``, if given, copied results into place), or with the
-    first failure as torch's exception. pyddp calls ``done`` from its worker thread
-    (holding the GIL), or at once when the work already finished."""
+    ``result`` (after ``post()``, if given, put results in place), or with the first
+    failure as torch's exception. Whoever gets there first fires it, exactly once: the
+    dispatcher, queued by pyddp's completion thread when the last work is done, or a
+    thread that waited for every work itself (PyddpWork.wait: no extra thread hop)."""
 
-    def __init__(self, fut, n, result, post):
-        self.fut, self.left, self.result, self.post = fut, n, result, post
-        self.error = None
+    def __init__(self, fut, works, result, post=None):
+        self.fut, self.works, self.result, self.post = fut, list(works), result, post
+        self.left = len(self.works)
+        self.fired = False
         self.lock = threading.Lock()
+        if not self.works:
+            self.fire()
+        for w in self.works:
+            w.add_done_callback(self._one)
 
-    def done(self, work):
-        exc = work.exception()
+    def _one(self, work):
+        """pyddp's completion thread: count down; the last one queues fire()."""
         with self.lock:
-            if exc is not None and self.error is None:
-                self.error = exc
             self.left -= 1
             if self.left:
                 return
-        err = self.error
+        _DISPATCH.submit(self.fire)
+
+    def fire(self):
+        """Complete the future (once; later calls return at once). Every work must have
+        finished."""
+        with self.lock:
+            if self.fired:
+                return
+            self.fired = True
+        err = next((e for e in (w.exception() for w in self.works) if e is not None), None)
         if err is None and self.post is not None:
             try:
                 self.post()
-            except BaseException as e:  # noqa: BLE001 - reported through the future
+            except Exception as e:  # noqa: BLE001 - reported through the future
                 err = e
         if err is None:
             self.fut.set_result(self.result)
         else:
-            self.fut.set_exception(torch_error(err) if isinstance(err, Exception)
-                                   else RuntimeError(str(err)))
+            self.fut.set_exception(torch_error(err))
 
 
 def _future_for(tensors):
@@ -92,21 +188,24 @@ class PyddpWork(dist.Work):
     by Ctrl-C, and then on the future, which raises the collective's error as torch's
     exception. ``get_future()`` gives the future itself (value: the output tensors)."""
 
-    def __init__(self, fut, works=()):
+    def __init__(self, fut, completion=None):
         super().__init__()
         self._fut = fut
-        self._works = list(works)
+        self._comp = completion
 
     def wait(self, timeout=None):
         # torch's C++ callers pass kNoTimeout, zero milliseconds, meaning "no timeout"
         if timeout is not None and _seconds(timeout) <= 0:
             timeout = None
-        for w in self._works:
-            try:
-                w.wait(timeout)
-            except Exception as e:  # noqa: BLE001 - a timeout here is the caller's
-                if not self._fut.done():
-                    raise torch_error(e) from e
+        comp = self._comp
+        if comp is not None and not self._fut.done():
+            for w in comp.works:
+                try:
+                    w.wait(timeout)
+                except Exception as e:  # noqa: BLE001 - failures go through the future
+                    if not w.is_completed():          # wait(timeout) expired
+                        raise_as_torch(e)
+            comp.fire()
         self._fut.wait()
         return True
 
@@ -148,28 +247,3 @@ def _first_error_or_empty(all_done):
     for f in all_done.value():
         f.value()
     return []
-
-
-class _NoWorkType:
-    """Stands for 'nothing to wait for' in _Completion.done."""
-
-    @staticmethod
-    def exception():
-        return None
-
-
-_NoWork = _NoWorkType()
-
-
-def _when_done(work, fn):
-    """Call fn(work) once work finished with its results in place: from pyddp's worker
-    through Work.add_done_callback, or (a pyddp without it) by waiting here."""
-    add = getattr(work, "add_done_callback", None)
-    if add is not None:
-        add(fn)
-        return
-    try:
-        work.wait()
-    except Exception:  # noqa: BLE001 - fn reads it through work.exception()
-        pass
-    fn(work)

@@ -40,7 +40,7 @@ import pyddp
 from . import _C, _env, _group
 from . import collectives as C
 from ._torch_pg import ProcessGroupPyddp
-from ._torch_work import PyddpWork, _when_done, torch_error
+from ._torch_work import PyddpWork, _Completion, _future_for, raise_as_torch
 from .store import TCPStore
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
@@ -97,9 +97,9 @@ def _pyddp_store(store, rank, timeout_s):
         host = base.host or "127.0.0.1"
         return _client(host, base.port, timeout_s), host
     if rank == 0:
-        hosted = _group._hosted_store(("torch-backend",), "", 0, timeout_s)
         addr = _group._primary_address() if not os.environ.get("PYDDP_SOCKET_IFNAME") \
             else _env.advertise_address(None)
+        hosted = _group._hosted_store(("torch-backend",), addr, 0, timeout_s)
         store.set(_STORE_KEY, f"{addr}:{hosted.port}")
         return hosted, addr
     host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
@@ -153,7 +153,7 @@ def create_process_group(opts, pg_options=None):
             handle = _group.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
                                          backend=backend, master_addr=host)
     except Exception as e:
-        raise torch_error(e) from e
+        raise_as_torch(e)
     return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout, _close)
 
 
@@ -193,49 +193,18 @@ def _batch_isend_irecv(orig):
         for op in p2p_op_list:
             send = op.op in (dist.isend, c10d.isend)
             ops.append(C.P2POp(C.isend if send else C.irecv, op.tensor,
-                                   pg._global(op.group_peer, "peer"), group=pg.handle,
-                                   tag=op.tag))
+                               pg._global(op.group_peer, "peer"), group=pg.handle, tag=op.tag))
         try:
             works = C.batch_isend_irecv(ops)
         except Exception as e:
-            raise torch_error(e) from e
+            raise_as_torch(e)
         # pyddp completes the whole batch at once; torch hands out one Work per op
-        futs = [torch.futures.Future(devices=[op.tensor.device]) if op.tensor.is_cuda
-                else torch.futures.Future() for op in p2p_op_list]
-        settle = functools.partial(_settle, futs, [[op.tensor] for op in p2p_op_list])
-        _Joined(works, settle)
-        return [PyddpWork(f, works) for f in futs]
+        tensors = [op.tensor for op in p2p_op_list]
+        fut = _future_for(tensors)
+        comp = _Completion(fut, works, tensors)
+        return [PyddpWork(fut, comp) for _ in p2p_op_list]
     batch_isend_irecv._pyddp_orig = orig
     return batch_isend_irecv
-
-
-def _settle(futs, results, exc):
-    for fut, result in zip(futs, results):
-        if exc is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(torch_error(exc))
-
-
-class _Joined:
-    """Calls fn(first exception or None) once every work in works has finished."""
-
-    def __init__(self, works, fn):
-        self.left, self.exc, self.fn = len(works), None, fn
-        self.lock = threading.Lock()
-        if not works:
-            fn(None)
-        for w in works:
-            _when_done(w, self._one)
-
-    def _one(self, work):
-        e = work.exception()
-        with self.lock:
-            self.exc = self.exc or e
-            self.left -= 1
-            if self.left:
-                return
-        self.fn(self.exc)
 
 
 def _patch_torch():

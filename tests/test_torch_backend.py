@@ -7,8 +7,8 @@
 * One torchrun launch per world size (2 and 3) runs tests/workers/torch_backend.py:
   every torch collective against arithmetic, new_group subgroups, object collectives,
   barriers, functional collectives, DistributedSampler; torch's DDP over "pyddp" against
-  torch's DDP over a gloo group in the same processes (eight configurations, weights
-  compared after every step); FSDP2 against DDP; DTensor.
+  torch's DDP over a gloo group in the same processes (nine configurations, two comm
+  hooks among them, weights compared after every step); FSDP2 against DDP; DTensor.
 * Errors arrive as torch's DistError family (mismatch, the group's timeout, a dead
   peer); a torchrun restart starts clean; a FileStore init works.
 """
@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 SECTIONS = ["all_reduce", "tensor_kinds", "rooted", "gathers", "all_to_all", "p2p",
             "objects_and_barriers", "subgroups", "fsdp2", "dtensor"] + \
     [f"ddp_{c}" for c in ("plain", "tiny_buckets", "bucket_view", "no_sync", "unused",
-                          "static_graph", "buffers", "fp16_hook")]
+                          "static_graph", "buffers", "fp16_hook", "powersgd")]
 
 
 def _ranks_passing(out, section):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 STEPS = 4
@@ -44,6 +44,14 @@ def _fp16_hook(model):
     model.register_comm_hook(model.process_group, default_hooks.fp16_compress_hook)
 
 
+def _powersgd(model):
+    # PowerSGD's callbacks wait for further all-reduces inside the future chain
+    state = powerSGD_hook.PowerSGDState(process_group=model.process_group,
+                                        matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                        random_seed=0)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
 # name -> (Net kwargs, DDP kwargs, micro-batches per step, branch used?(step, rank), setup)
 CONFIGS = {
     "plain": ({}, {}, 1, None, None),
@@ -55,6 +63,7 @@ CONFIGS = {
     "static_graph": ({}, {"static_graph": True}, 1, None, None),
     "buffers": ({"bn": True}, {"broadcast_buffers": True}, 1, None, None),
     "fp16_hook": ({}, {}, 1, None, _fp16_hook),
+    "powersgd": ({}, {}, 1, None, _powersgd),
 }
 
 
