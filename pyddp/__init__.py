@@ -27,6 +27,7 @@ from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_into_ten
 from ._objects import (all_gather_object, broadcast_object_list, gather_object,
                        scatter_object_list)
 from .store import TCPStore
+from ._forensics import dump_flight_record
 from ._nccl_backend import cuda_device_for_local_rank
 from .sampler import DistributedSampler
 

@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 
-from . import _C, _env
+from . import _C, _env, _forensics
 from ._version import __version__
 from .store import TCPStore
 
@@ -72,8 +72,11 @@ class Group:
         self._made = 0                     # subgroups made from this group
         self._mb = 0                       # monitored barriers run on it
         self._index = {r: i for i, r in enumerate(self.ranks)}
+        self._watcher = None               # the world group's straggler watcher (_forensics)
         if pg is not None and backend != "cpu":
             pg.set_cuda_factory(self._attach_nccl)
+        if pg is not None:
+            _forensics.register(self)
 
     rank = property(lambda self: self._index.get(self._world_rank, -1))
     size = property(lambda self: len(self.ranks))
@@ -116,12 +119,17 @@ class Group:
         prefix = f"{self._prefix}/g/{name}"
         tag = _C.hash_tag(prefix) if hasattr(_C, "hash_tag") else _fnv(prefix)
         sub = self.pg("new_group").subgroup(idx, tag)
-        return Group(sub, ranks, self.backend if backend is None else backend, self._store,
-                     prefix, self._timeout_s if timeout_s is None else timeout_s,
-                     self._world_rank)
+        g = Group(sub, ranks, self.backend if backend is None else backend, self._store,
+                  prefix, self._timeout_s if timeout_s is None else timeout_s,
+                  self._world_rank)
+        g._watcher = self._watcher
+        return g
 
     def _destroy(self):
         pg, self._pg = self._pg, None
+        w, self._watcher = self._watcher, None
+        if w is not None and w.group is self:
+            w.stop()
         if pg is not None:
             pg.destroy()
 
@@ -244,6 +252,12 @@ def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
                          int(timeout_s * 1000), __version__, _env.host_identity())
     g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+    if world_size > 1:
+        try:
+            g._watcher = _forensics.Watcher(g)
+        except _C.DistError as e:      # forensics are best effort; training is not
+            log.warning("pyddp: rank %d: no straggler watcher (%s)", rank, e)
+    _forensics.install_signal_dump()
     if backend == "nccl":
         try:
             g._attach_nccl()

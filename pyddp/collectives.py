@@ -11,7 +11,7 @@ import enum
 import functools
 import threading
 
-from . import _C
+from . import _C, _forensics
 from . import _arrays as A
 from ._group import _resolve, timeout_ms
 from ._nccl_backend import caller_stream
@@ -77,7 +77,16 @@ class Work:
     def wait(self, timeout=None):
         if not self._done:
             ms = -1 if timeout is None else int(_seconds(timeout) * 1000)
-            self._work.wait(ms)
+            try:
+                self._work.wait(ms)
+            except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
+                # A failed collective (not this wait's own timeout): if a peer's timeout
+                # caused it, say who had not arrived and where they are.
+                extra = _forensics.explain(self._group, e) \
+                    if self._group is not None and self._work.is_completed() else None
+                if extra:
+                    raise type(e)(f"{e}\n{extra}") from None
+                raise
             self._copy_out()
             self._done = True
         return True
@@ -124,7 +133,7 @@ def _seconds(t):
 def _run(g, kind, a=None, b=None, op=0, root=0, async_op=False, post=None, what=None):
     pg = g.pg(what or "a collective")
     stream = caller_stream(a if a is not None else b)
-    w = Work(pg.submit(kind, a, b, op, root, timeout_ms(g), stream), post)
+    w = Work(pg.submit(kind, a, b, op, root, timeout_ms(g), stream), post, g)
     if async_op:
         return w
     w.wait()
@@ -371,7 +380,7 @@ def _offsets(counts):
 def _alltoall(g, inp, out, scounts, rcounts, async_op, post, what):
     pg = g.pg(what)
     w = Work(pg.alltoall(inp, out, scounts, _offsets(scounts), rcounts, _offsets(rcounts),
-                         timeout_ms(g), caller_stream(inp)), post)
+                         timeout_ms(g), caller_stream(inp)), post, g)
     if async_op:
         return w
     w.wait()
@@ -471,7 +480,7 @@ def batch_isend_irecv(p2p_op_list):
         ops.append((p.is_send, s.array, _rank_arg(g, p.peer, "peer")))
     pg = g.pg("batch_isend_irecv")
     w = Work(pg.p2p_batch(ops, timeout_ms(g), caller_stream(ops[0][1])),
-             _finisher(*[s for s, p in zip(staged, p2p_op_list) if not p.is_send]))
+             _finisher(*[s for s, p in zip(staged, p2p_op_list) if not p.is_send]), g)
     return [w]
 
 

@@ -166,7 +166,8 @@ static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
     if (c->stall_store == NULL) return;
     char key[600], val[1200];
     int64_t i = 0;
-    snprintf(key, sizeof key, "%s/stuck_n", c->stall_prefix);
+    /* user keys, as the Python TCPStore (and torch's) spell them: with a leading '/' */
+    snprintf(key, sizeof key, "/%s/stuck_n", c->stall_prefix);
     if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, ddp_wait_for(2000, NULL)) != DDP_OK)
         return;
     pthread_mutex_lock(&c->mu);
@@ -176,7 +177,7 @@ static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
     uint64_t seq = e.seq;
     snprintf(val, sizeof val, "rank=%d;tag=%016llx;seq=%llu;what=%s", c->rank,
              (unsigned long long)w->comm->group.tag, (unsigned long long)seq, what);
-    snprintf(key, sizeof key, "%s/stuck/%lld", c->stall_prefix, (long long)i);
+    snprintf(key, sizeof key, "/%s/stuck/%lld", c->stall_prefix, (long long)i);
     ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
 }
 
@@ -304,6 +305,7 @@ ddp_status ddp_comm_submit(ddp_comm *c, const ddp_coll_args *a, int64_t timeout_
 }
 
 int ddp_comm_rank(const ddp_comm *c) { return c->rank; }
+uint64_t ddp_comm_tag(const ddp_comm *c) { return c->group.tag; }
 int ddp_comm_size(const ddp_comm *c) { return c->size; }
 int ddp_comm_world_rank(const ddp_comm *c, int r) { return c->members ? c->members[r] : r; }
 const char *ddp_comm_peer_desc(const ddp_comm *c, int r) {

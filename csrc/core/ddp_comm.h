@@ -81,6 +81,8 @@ void ddp_comm_release(ddp_comm *c);
 ddp_pg ddp_comm_pg(ddp_comm *c);
 
 int ddp_comm_rank(const ddp_comm *c);
+/* The group's tag (in every collective header; a hash of the group's key prefix). */
+uint64_t ddp_comm_tag(const ddp_comm *c);
 int ddp_comm_size(const ddp_comm *c);
 /* Human description of peer r, e.g. "rank 1 (10.0.0.2:40411)". */
 const char *ddp_comm_peer_desc(const ddp_comm *c, int r);
@@ -127,7 +129,8 @@ void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
  * breaks, its worker announces it in the store s (retained) under prefix:
  * ADD "<prefix>/stuck_n" 1 -> i, then SET "<prefix>/stuck/<i>" to
  * "rank=R;tag=T;seq=K;what=DESCRIPTION" (R: world rank, T: the group's tag in
- * hex, K: the collective's number on that group), each bounded by 2 s. So
+ * hex, K: the collective's number on that group), each bounded by 2 s; the
+ * keys are user keys as TCPStore clients spell them (a leading '/'). So
  * the other ranks can tell a peer's timeout from a crash and gather reports
  * about who did not arrive. Call once, before work is queued. */
 void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix);

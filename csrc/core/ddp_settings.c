@@ -56,6 +56,9 @@ static const ddp_setting_decl table[] = {
      "path of `libnccl.so.2` to load for `backend=\"nccl\"` (see [gpu.md](gpu.md))"},
     {"PYDDP_CUDART_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
      "path of the CUDA runtime (`libcudart.so.13`/`.12`) to load for `backend=\"nccl\"`"},
+    {"PYDDP_DUMP_ON_SIGNAL", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
+     "`1`: `SIGUSR1` prints this process's flight record (its last 64 collectives) on "
+     "stderr, as `pyddp.dump_flight_record()` does"},
     {"PYDDP_DDP_GENERIC_PATH", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1` makes DistributedDataParallel use its generic bucket path (copies by the array "
      "library, all-reduce through the process group) instead of the C path, as it does for "

@@ -636,6 +636,70 @@ static PyObject *pg_peer(PGObject *self, PyObject *args) {
     return Py_BuildValue("(ss)", ddp_comm_peer_desc(self->comm, r), ddp_comm_host_id(self->comm, r));
 }
 
+/* A flight-record entry as a dict; times as seconds before now (None: not yet). */
+static PyObject *entry_dict(const ddp_flight_entry *e, int64_t now_us) {
+    PyObject *st = e->ended_us ? PyUnicode_FromString(e->status == DDP_OK ? "ok" :
+                                                      ddp_status_name((ddp_status)e->status))
+                               : Py_NewRef(Py_None);
+    if (st == NULL) return NULL;
+    const char *state = e->ended_us ? "done" : e->started_us ? "running" : "queued";
+    PyObject *d = Py_BuildValue(
+        "{s:K,s:K,s:K,s:s,s:s,s:i,s:i,s:i,s:i,s:K,s:d,s:N,s:N,s:s,s:N}",
+        "id", (unsigned long long)e->id, "tag", (unsigned long long)e->tag,
+        "seq", (unsigned long long)e->seq, "op", ddp_coll_name((ddp_coll_kind)e->kind),
+        "dtype", ddp_dtype_name((ddp_dtype)e->dtype), "redop", e->op, "root", e->root,
+        "group_rank", e->group_rank, "group_size", e->group_size,
+        "bytes", (unsigned long long)e->bytes,
+        "queued_ago", (now_us - e->queued_us) / 1e6,
+        "started_ago", e->started_us ? PyFloat_FromDouble((now_us - e->started_us) / 1e6)
+                                     : Py_NewRef(Py_None),
+        "ended_ago", e->ended_us ? PyFloat_FromDouble((now_us - e->ended_us) / 1e6)
+                                 : Py_NewRef(Py_None),
+        "state", state, "status", st);
+    return d;
+}
+
+static PyObject *pg_flight_record(PGObject *self, PyObject *unused) {
+    if (self->comm == NULL) return PyList_New(0);
+    ddp_flight_entry fr[DDP_FLIGHT_LEN];
+    size_t n = ddp_comm_flight(self->comm, fr, DDP_FLIGHT_LEN);
+    int64_t now = ddp_now_us();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *d = entry_dict(&fr[i], now);
+        if (d == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, d);
+    }
+    return out;
+}
+
+static PyObject *pg_progress(PGObject *self, PyObject *unused) {
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    uint64_t sub, done;
+    ddp_flight_entry last;
+    ddp_comm_progress(self->comm, &sub, &done, &last);
+    PyObject *ld = last.id ? entry_dict(&last, ddp_now_us()) : Py_NewRef(Py_None);
+    if (ld == NULL) return NULL;
+    return Py_BuildValue("{s:K,s:K,s:N,s:K}", "submitted", (unsigned long long)sub,
+                         "completed", (unsigned long long)done, "last_done", ld,
+                         "tag", (unsigned long long)ddp_comm_tag(self->comm));
+}
+
+static PyObject *pg_set_stall_store(PGObject *self, PyObject *args) {
+    PyObject *store_obj;
+    const char *prefix;
+    if (!PyArg_ParseTuple(args, "Os", &store_obj, &prefix)) return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    ddp_store *s = ddp_py_store_client_ref(store_obj);
+    if (s == NULL) return NULL;
+    ddp_comm_set_stall_store(self->comm, s, prefix);
+    ddp_store_release(s);
+    Py_RETURN_NONE;
+}
+
 static PyObject *pg_transport(PGObject *self, PyObject *args) {
     int r;
     if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
@@ -680,6 +744,12 @@ static PyMethodDef pg_methods[] = {
     {"abort", (PyCFunction)pg_abort, METH_VARARGS, "Break the group now; peers fail fast."},
     {"destroy", (PyCFunction)pg_destroy, METH_NOARGS, "Close all connections."},
     {"peer", (PyCFunction)pg_peer, METH_VARARGS, "peer(rank) -> (description, host_id)"},
+    {"flight_record", (PyCFunction)pg_flight_record, METH_NOARGS,
+     "flight_record() -> [dict]: the last 64 collectives of this process's communicator"},
+    {"progress", (PyCFunction)pg_progress, METH_NOARGS,
+     "progress() -> {submitted, completed, last_done, tag} of this group"},
+    {"set_stall_store", (PyCFunction)pg_set_stall_store, METH_VARARGS,
+     "set_stall_store(store, prefix): announce a collective timeout there (ddp_comm.h)"},
     {"transport", (PyCFunction)pg_transport, METH_VARARGS,
      "transport(rank) -> 'tcp', 'shm' or 'self': the CPU link to that group rank"},
     {NULL}

@@ -118,7 +118,7 @@ static void *rank_main(void *p) {
             char key[128];
             void *val = NULL;
             size_t vlen = 0;
-            snprintf(key, sizeof key, "%s/stuck/1", pre);
+            snprintf(key, sizeof key, "/%s/stuck/1", pre);
             T_OK(ddp_store_get(st, key, strlen(key), &val, &vlen, ddp_wait_for(5000, NULL)));
             char buf[1300];
             snprintf(buf, sizeof buf, "%.*s", (int)vlen, (char *)val);

@@ -1,0 +1,65 @@
+"""Straggler forensics: when a collective times out because one rank never arrived,
+every waiting rank's error names that rank, how far it got and where its Python code
+is; a rank that cannot answer (stopped) is named as such. The worker is
+tests/workers/straggler.py (3 ranks under torchrun, PYDDP_TIMEOUT=4 s: two object
+collectives to share pids, then five all-reduces, then the sixth times out); the flight
+record is dumped by the rank that timed out."""
+import re
+
+import pytest
+
+from launch import torchrun
+
+
+def errors(out):
+    return re.findall(r"ERROR (\w+)\n(.*?)\nEND", out, re.S)
+
+
+@pytest.mark.parametrize("mode", ["late", "stopped"])
+def test_timeout_names_the_straggler(mode):
+    res = torchrun("straggler.py", 3, args=[mode], env={"PYDDP_TIMEOUT": "4"}, timeout=90)
+    out = res.output
+    errs = errors(out)
+    assert len(errs) == 2, out[-5000:]          # both waiting ranks explain it
+    for cls, msg in errs:
+        assert cls == "DistTimeoutError", msg
+        assert "Straggler report for collective #8 on the group of ranks [0, 1, 2]" in msg, msg
+        assert "ranks 0, 1 had reached it" in msg, msg
+        if mode == "late":
+            assert ("rank 2 has not arrived: it completed 7 collectives on this group; its "
+                    "last was all_reduce #7, 4.0 MiB of float64, finished") in msg, msg
+            assert re.search(r"its Python code is at \S*straggler\.py:\d+ in load_batch", msg), msg
+        else:
+            assert "rank 2 did not answer within 2 s: its process is dead or stopped" in msg, msg
+    # the straggler's own watcher printed its state (when it could), and the rank that
+    # timed out dumped its flight record
+    if mode == "late":
+        assert re.search(r"pyddp: rank 2: rank [01] timed out in all_reduce", out), out[-4000:]
+    assert "flight record (oldest first)" in out and "all_reduce #7" in out, out[-4000:]
+
+
+def test_dump_flight_record_and_signal(tmp_path):
+    """pyddp.dump_flight_record() prints and returns the last collectives; with
+    PYDDP_DUMP_ON_SIGNAL=1, SIGUSR1 prints them too."""
+    import os
+    import subprocess
+    import sys
+    from launch import ROOT
+    script = tmp_path / "dump.py"
+    script.write_text(
+        "import os, signal, time, numpy as np, pyddp\n"
+        "st = pyddp.TCPStore('127.0.0.1', 0, is_master=True)\n"
+        "pyddp.init_process_group('cpu', store=st, rank=0, world_size=1)\n"
+        "for _ in range(70): pyddp.all_reduce(np.ones(3))\n"
+        "pyddp.broadcast(np.ones(5, dtype=np.int32), src=0)\n"
+        "rec = pyddp.dump_flight_record()\n"
+        "assert len(rec) == 64 and rec[-1]['op'] == 'broadcast' and rec[-1]['seq'] == 71, rec[-1]\n"
+        "assert rec[0]['seq'] == 8 and all(e['state'] == 'done' for e in rec)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)\n"
+        "print('DONE', flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYDDP_DUMP_ON_SIGNAL="1")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "DONE" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.count("flight record (oldest first)") == 2, r.stderr
+    assert "broadcast #71" in r.stderr and "int32" in r.stderr, r.stderr

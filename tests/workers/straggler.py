@@ -1,0 +1,47 @@
+"""Worker for tests/test_straggler.py: five all-reduces on every rank, then the last
+rank fails to join the sixth: with argv[1] == "late" it sits in load_batch() (alive, its
+Python code elsewhere); with "stopped" it stops itself with SIGSTOP (alive to TCP but
+unable to answer). The other ranks' collective times out (PYDDP_TIMEOUT is short) and
+must explain who had not arrived. Each waiting rank prints "ERROR <class>" and its
+message, then "END"."""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import pyddp as dist
+
+
+def load_batch():
+    time.sleep(60)      # the straggler: still running Python, somewhere else
+
+
+def main():
+    dist.init_process_group("cpu")
+    ws, me = dist.get_world_size(), dist.get_rank()
+    pids = [None] * ws
+    dist.all_gather_object(pids, os.getpid())
+    x = np.ones(4 << 20 >> 3)     # 4 MiB of float64
+    for _ in range(5):
+        dist.all_reduce(x)
+    if me == ws - 1:
+        print("STRAGGLING", flush=True)
+        if sys.argv[1] == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        load_batch()
+        return
+    try:
+        dist.all_reduce(x)
+        print("ERROR none", flush=True)
+    except dist.DistError as e:
+        print(f"ERROR {type(e).__name__}\n{e}\nEND", flush=True)
+    if me == 0:
+        time.sleep(0.5)
+        os.kill(pids[-1], signal.SIGKILL)    # the straggler would never exit by itself
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
