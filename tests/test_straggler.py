@@ -63,3 +63,19 @@ def test_dump_flight_record_and_signal(tmp_path):
     assert r.returncode == 0 and "DONE" in r.stdout, r.stdout + r.stderr
     assert r.stderr.count("flight record (oldest first)") == 2, r.stderr
     assert "broadcast #71" in r.stderr and "int32" in r.stderr, r.stderr
+
+
+def test_troubleshooting_example_matches_the_report_format():
+    """docs/troubleshooting.md quotes a report from this test's run: its fixed parts
+    must still be what pyddp/_forensics.py writes."""
+    import os
+    from launch import ROOT
+    doc = open(os.path.join(ROOT, "docs", "troubleshooting.md")).read()
+    src = open(os.path.join(ROOT, "pyddp", "_forensics.py")).read()
+    for phrase in ("Straggler report for collective #", "has not arrived: it completed",
+                   "had reached it", "did not answer within"):
+        assert phrase in src, phrase
+    for phrase in ("Straggler report for collective #8", "rank 2 has not arrived: it completed 7 "
+                   "collectives on this group; its last was all_reduce #7",
+                   "ranks 0, 1 had reached it", "did not answer within 2 s"):
+        assert phrase in doc, phrase
