@@ -24,7 +24,7 @@ one-time rebuild of buckets in the order gradients arrived on rank 0.
 """
 import numpy as np
 
-from . import _C
+from . import _C, _forensics
 from ._nccl_backend import caller_stream
 from . import _arrays as A
 
@@ -247,8 +247,9 @@ class GradSync:
 
     def __init__(self, params, names, get_grad, set_grad, *, pg, rank, world_size,
                  bucket_cap_bytes, find_unused, static_graph, view_mode, generic,
-                 timeout_ms, clone):
+                 timeout_ms, clone, group=None):
         self.params, self.names = params, names
+        self._group = group          # the pyddp Group, for straggler reports
         self.get_grad, self.set_grad, self._clone = get_grad, set_grad, clone
         self.rank, self.world = rank, world_size
         self._pg, self._timeout_ms = pg, timeout_ms
@@ -369,7 +370,13 @@ class GradSync:
                     self._fail(self._unused_message(unready, when="in this backward pass"))
             first_static = self._static_first()
             track = self.dynamic_unused or first_static
-            used = self.engine.finish(track)
+            try:
+                used = self.engine.finish(track)
+            except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
+                extra = _forensics.explain(self._group, e) if self._group is not None else None
+                if extra:
+                    raise type(e)(f"{e}\n{extra}") from None
+                raise
             if first_static:
                 self._static_expected = list(self._counts)
                 self._static_used = used

@@ -88,7 +88,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                 find_unused=find_unused_parameters, static_graph=static_graph,
                 view_mode=gradient_as_bucket_view,
                 generic=use_generic_path(pg, params, _generic_path),
-                timeout_ms=self._timeout_ms, clone=lambda v: v.clone())
+                timeout_ms=self._timeout_ms, clone=lambda v: v.clone(), group=g)
         ref = weakref.ref(self)
         self._hook_handles = [p.register_post_accumulate_grad_hook(
             functools.partial(_on_grad, ref, i)) for i, p in enumerate(params)]

@@ -256,7 +256,7 @@ class ArrayDDP(DistributedDataParallel):
             find_unused=find_unused_parameters or static_graph, static_graph=False,
             view_mode=gradient_as_bucket_view,
             generic=use_generic_path(pg, arrays, _generic_path), timeout_ms=self._timeout_ms,
-            clone=lambda v: v.copy())
+            clone=lambda v: v.copy(), group=g)
 
     @staticmethod
     def _find_buffers(module):

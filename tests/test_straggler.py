@@ -38,6 +38,15 @@ def test_timeout_names_the_straggler(mode):
     assert "flight record (oldest first)" in out and "all_reduce #7" in out, out[-4000:]
 
 
+def test_ddp_gradient_timeout_names_the_straggler():
+    res = torchrun("straggler.py", 3, args=["ddp"], env={"PYDDP_TIMEOUT": "4"}, timeout=90)
+    errs = errors(res.output)
+    assert len(errs) == 2, res.output[-5000:]
+    for cls, msg in errs:
+        assert "DDP gradient all-reduce" in msg and "rank 2 has not arrived" in msg, msg
+        assert re.search(r"its Python code is at \S*straggler\.py:\d+ in load_batch", msg), msg
+
+
 def test_dump_flight_record_and_signal(tmp_path):
     """pyddp.dump_flight_record() prints and returns the last collectives; with
     PYDDP_DUMP_ON_SIGNAL=1, SIGUSR1 prints them too."""

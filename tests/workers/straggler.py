@@ -23,6 +23,8 @@ def main():
     ws, me = dist.get_world_size(), dist.get_rank()
     pids = [None] * ws
     dist.all_gather_object(pids, os.getpid())
+    if sys.argv[1] == "ddp":
+        return ddp_case(ws, me, pids)
     x = np.ones(4 << 20 >> 3)     # 4 MiB of float64
     for _ in range(5):
         dist.all_reduce(x)
@@ -40,6 +42,27 @@ def main():
     if me == 0:
         time.sleep(0.5)
         os.kill(pids[-1], signal.SIGKILL)    # the straggler would never exit by itself
+    os._exit(0)
+
+
+def ddp_case(ws, me, pids):
+    """pyddp's DDP on a torch model: the last rank skips the third backward."""
+    import torch
+    torch.manual_seed(0)
+    ddp = dist.DistributedDataParallel(torch.nn.Linear(256, 256))
+    for step in range(3):
+        if step == 2 and me == ws - 1:
+            print("STRAGGLING", flush=True)
+            load_batch()
+            return
+        try:
+            ddp(torch.randn(8, 256)).sum().backward()
+        except dist.DistError as e:
+            print(f"ERROR {type(e).__name__}\n{e}\nEND", flush=True)
+            break
+    if me == 0:
+        time.sleep(0.5)
+        os.kill(pids[-1], signal.SIGKILL)
     os._exit(0)
 
 
