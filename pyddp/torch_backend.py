@@ -54,7 +54,7 @@ _STORE_KEY = "pyddp_store_addr"   # where rank 0 publishes a store it hosts
 class _State:
     lock = threading.Lock()
     generation = 0          # default groups created in this process (prefix part)
-    stores = {}             # (host, port) -> pyddp TCPStore client, shared by groups
+    stores = {}             # (host, port) -> [pyddp TCPStore client, groups using it]
     patched = False
 
 
@@ -78,14 +78,29 @@ def _base_store(store):
 
 
 def _client(host, port, timeout_s):
-    """A pyddp store client for the TCPStore server at host:port, shared by every
-    group of this process (created on first use)."""
+    """A pyddp store client for the TCPStore server at host:port, shared by the groups
+    of this process that use that server (created on first use, counted; _release
+    closes it when the last one shuts down: the server may not outlive them, e.g. a
+    store that torch's rank 0 hosts for one init)."""
     key = (host, port)
-    st = _State.stores.get(key)
-    if st is None:
-        st = _group._connect_store(host, port, timeout_s)
-        _State.stores[key] = st
-    return st
+    with _State.lock:
+        entry = _State.stores.get(key)
+        if entry is None:
+            entry = _State.stores[key] = [_group._connect_store(host, port, timeout_s), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release(store):
+    """One group less uses store (a client from _client; hosted stores are left)."""
+    with _State.lock:
+        for key, entry in list(_State.stores.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _State.stores[key]
+                    store.close()
+                return
 
 
 def _pyddp_store(store, rank, timeout_s):
@@ -150,19 +165,31 @@ def create_process_group(opts, pg_options=None):
                 gen = _State.generation
                 _State.generation += 1
             store, host = _pyddp_store(opts.store, rank, timeout_s)
-            handle = _group.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
-                                         backend=backend, master_addr=host)
+            try:
+                handle = _group.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
+                                             backend=backend, master_addr=host)
+            except BaseException:
+                _release(store)
+                raise
+            return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout,
+                                     functools.partial(_close, store))
     except Exception as e:
         raise_as_torch(e)
     return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout, _close)
 
 
-def _close(pg):
-    """ProcessGroupPyddp's shutdown: destroy its pyddp group (torch's
-    destroy_process_group shuts subgroups down before the default group)."""
+def _close(*args):
+    """ProcessGroupPyddp's shutdown, _close([store,] pg): destroy pg's pyddp group, then
+    release the store client its rendezvous used (torch's destroy_process_group shuts
+    subgroups down before the default group)."""
+    *store, pg = args
     h = pg.handle
-    if h is not None:
-        h._destroy()
+    try:
+        if h is not None:
+            h._destroy()
+    finally:
+        if store:
+            _release(store[0])
 
 
 # -- the two torch functions that refuse unknown backends ----------------------------

@@ -10,7 +10,7 @@
   torch's DDP over a gloo group in the same processes (nine configurations, two comm
   hooks among them, weights compared after every step); FSDP2 against DDP; DTensor.
 * Errors arrive as torch's DistError family (mismatch, the group's timeout, a dead
-  peer); a torchrun restart starts clean; a FileStore init works.
+  peer); a torchrun restart starts clean; a FileStore init and re-inits work.
 """
 import json
 import re
@@ -133,17 +133,20 @@ def test_torchrun_restart_starts_clean():
         assert f"PASS restart rank={r} attempt=1" in res.output, res.output[-4000:]
 
 
-def test_file_store_with_autoload_off(tmp_path):
+def test_file_store_and_reinit_with_autoload_off(tmp_path):
     """init_method=file:// (torch's FileStore, no TCPStore underneath): rank 0 hosts a
-    pyddp store and announces it through torch's store. Autoload is off, so the
-    script registers the backend by importing pyddp.torch_backend."""
+    pyddp store and announces it through torch's store. Then env:// twice, where rank 0
+    hosts torch's TCPStore again on the same port: pyddp's store client of the first
+    must not be reused. Autoload is off, so the script registers the backend by
+    importing pyddp.torch_backend."""
     path = str(tmp_path / "rdzv")
-    results = spawn_ranks("torch_backend.py", 2, args=["file", "--import-backend", "--file",
+    results = spawn_ranks("torch_backend.py", 2, args=["plain", "--import-backend", "--file",
                                                        path],
                           env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, timeout=120)
     for r, res in enumerate(results):
         assert res.returncode == 0, res.output[-4000:]
-        assert f"PASS file rank={r} store=FileStore" in res.output, res.output[-2000:]
+        for i, kind in enumerate(["FileStore", "TCPStore", "TCPStore"]):
+            assert f"PASS plain{i} rank={r} store={kind}" in res.output, res.output[-2000:]
 
 
 def test_example_differs_from_the_gloo_script_only_in_the_backend(tmp_path):

@@ -12,7 +12,8 @@ users do). Modes:
   destroyed and initialised again (a second init in the same process starts clean).
 * ``restart`` (torchrun --max-restarts=1): attempt 0 fails after a collective; attempt 1
   must rendezvous cleanly on the same agent store.
-* ``file`` (plain processes, init_method file://): torch's FileStore, not a TCPStore.
+* ``plain`` (plain processes): init_method file:// (torch's FileStore, not a TCPStore),
+  then env:// twice, rank 0 hosting torch's TCPStore anew on the same port.
 """
 import argparse
 import datetime
@@ -122,16 +123,19 @@ def run_restart(rank, ws):
     dist.destroy_process_group()
 
 
-def run_file(rank, ws, path):
-    dist.init_process_group("pyddp", init_method=f"file://{path}", rank=rank, world_size=ws)
-    base = dist.distributed_c10d._get_default_store()
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
-    x = torch.full((5,), float(rank + 1))
-    dist.all_reduce(x)
-    assert torch.equal(x, torch.full((5,), float(sum(range(1, ws + 1))))), x
-    print(f"PASS file rank={rank} store={type(base).__name__}", flush=True)
-    dist.destroy_process_group()
+def run_plain(rank, ws, path):
+    """init_method file:// (torch's FileStore), then twice env:// with rank 0 hosting
+    torch's TCPStore on MASTER_PORT (a new server each time, on the same port)."""
+    for i, method in enumerate([f"file://{path}", "env://", "env://"]):
+        dist.init_process_group("pyddp", init_method=method, rank=rank, world_size=ws)
+        base = dist.distributed_c10d._get_default_store()
+        while isinstance(base, dist.PrefixStore):
+            base = base.underlying_store
+        x = torch.full((5,), float(rank + 1 + i))
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full((5,), float(sum(range(1 + i, ws + 1 + i))))), x
+        print(f"PASS plain{i} rank={rank} store={type(base).__name__}", flush=True)
+        dist.destroy_process_group()
 
 
 def main():
@@ -142,8 +146,8 @@ def main():
         return run_errors(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     if args.mode == "restart":
         return run_restart(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    if args.mode == "file":
-        return run_file(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.file)
+    if args.mode == "plain":
+        return run_plain(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.file)
     before = "pyddp" in sys.modules
     dist.init_process_group("pyddp")
     rank, ws = dist.get_rank(), dist.get_world_size()
