@@ -32,6 +32,16 @@ typedef struct hworld {
     void *shared[H_MAXR];
 } hworld;
 
+/* Validation of a must fail with want and a message containing text. */
+static inline void expect_invalid(const ddp_group *g, ddp_coll_args a, ddp_status want,
+                                  const char *text) {
+    T_STATUS(ddp_coll_validate(g, &a), want);
+    if (!strstr(ddp_last_error(), text)) {
+        fprintf(stderr, "message \"%s\" lacks \"%s\"\n", ddp_last_error(), text);
+        exit(1);
+    }
+}
+
 static inline void hworld_init(hworld *w, int n, size_t small_bytes, size_t chunk_bytes) {
     memset(w, 0, sizeof *w);
     w->n = n;

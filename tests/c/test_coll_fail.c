@@ -19,14 +19,6 @@ static void sleep_ms(int ms) {
 
 /* ---- validation ----------------------------------------------------------------- */
 
-static void expect_invalid(const ddp_group *g, ddp_coll_args a, ddp_status want, const char *text) {
-    T_STATUS(ddp_coll_validate(g, &a), want);
-    if (!strstr(ddp_last_error(), text)) {
-        fprintf(stderr, "message \"%s\" lacks \"%s\"\n", ddp_last_error(), text);
-        exit(1);
-    }
-}
-
 static void test_validate(void) {
     hworld w;
     hworld_init(&w, 3, 1 << 16, 1 << 20);

@@ -180,7 +180,7 @@ static void test_ring(void) {
 
 /* ---- validation ---------------------------------------------------------------- */
 
-static void expect_invalid(const ddp_group *g, const ddp_p2p_op *ops, int nops, ddp_status want,
+static void expect_batch_invalid(const ddp_group *g, const ddp_p2p_op *ops, int nops, ddp_status want,
                            const char *text) {
     ddp_coll_args a = {.kind = DDP_COLL_P2P_BATCH, .nops = nops, .ops = ops};
     T_STATUS(ddp_coll_validate(g, &a), want);
@@ -201,20 +201,20 @@ static void test_validate(void) {
     T_OK(ddp_coll_validate(g, &a));
     a.nops = 0, a.ops = NULL;
     T_OK(ddp_coll_validate(g, &a));
-    expect_invalid(g, NULL, 1, DDP_ERR_INVALID, "ops is NULL but nops is 1");
-    expect_invalid(g, ops, -1, DDP_ERR_INVALID, "nops is -1");
+    expect_batch_invalid(g, NULL, 1, DDP_ERR_INVALID, "ops is NULL but nops is 1");
+    expect_batch_invalid(g, ops, -1, DDP_ERR_INVALID, "nops is -1");
     ops[1].peer = 1;
-    expect_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1: rank 1 cannot receive from itself");
+    expect_batch_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1: rank 1 cannot receive from itself");
     ops[1].peer = 3;
-    expect_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1: peer 3 is out of range for a group of 3");
+    expect_batch_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1: peer 3 is out of range for a group of 3");
     ops[1].peer = 2, ops[1].dtype = (ddp_dtype)42;
-    expect_invalid(g, ops, 2, DDP_ERR_TYPE, "op 1: ");
+    expect_batch_invalid(g, ops, 2, DDP_ERR_TYPE, "op 1: ");
     ops[1].dtype = DDP_INT64, ops[1].count = SIZE_MAX / 4;
-    expect_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1: count");
+    expect_batch_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1: count");
     ops[1].count = 3, ops[1].buf = NULL;
-    expect_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1 (receive from rank 2): buf is NULL");
+    expect_batch_invalid(g, ops, 2, DDP_ERR_INVALID, "op 1 (receive from rank 2): buf is NULL");
     ops[1].count = 0; /* nothing to touch: fine */
-    expect_invalid(g, ops, 2, DDP_OK, "");
+    expect_batch_invalid(g, ops, 2, DDP_OK, "");
     T_ASSERT(strcmp(ddp_coll_name(DDP_COLL_P2P_BATCH), "batch_isend_irecv") == 0);
     hworld_free(&w);
     printf("validation: ok\n");
