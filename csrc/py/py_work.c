@@ -321,15 +321,20 @@ static void work_dealloc(WorkObject *w) {
     Py_DECREF(tp);
 }
 
+/* Out of memory making the Work: wait (GIL released) until the transport
+ * is done with the arrays, then drop the work, so the caller may free them. */
+static void drop_work(ddp_pg_work work) {
+    Py_BEGIN_ALLOW_THREADS
+    while (!work.ops->work_done(work.w)) work.ops->work_wait(work.w, ddp_wait_for(100, NULL));
+    Py_END_ALLOW_THREADS
+    work.ops->work_release(work.w);
+}
+
 PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, int narrs,
                              void *mem, int has_stream, uintptr_t stream) {
     WorkObject *w = PyObject_New(WorkObject, WorkType);
     if (w == NULL) {
-        /* Nothing may free the arrays while the transport uses them. */
-        Py_BEGIN_ALLOW_THREADS
-        while (!work.ops->work_done(work.w)) work.ops->work_wait(work.w, ddp_wait_for(100, NULL));
-        Py_END_ALLOW_THREADS
-        work.ops->work_release(work.w);
+        drop_work(work);
         for (int i = 0; i < narrs; i++) ddp_py_array_release(&arrs[i]);
         PyMem_Free(arrs);
         PyMem_Free(mem);
@@ -355,10 +360,7 @@ PyObject *ddp_py_work_new(ddp_pg pg, ddp_pg_work work, ddp_py_array *a, ddp_py_a
     ddp_py_array *arrs = PyMem_Calloc(2, sizeof *arrs);
     if (arrs == NULL) {
         PyErr_NoMemory();
-        Py_BEGIN_ALLOW_THREADS
-        while (!work.ops->work_done(work.w)) work.ops->work_wait(work.w, ddp_wait_for(100, NULL));
-        Py_END_ALLOW_THREADS
-        work.ops->work_release(work.w);
+        drop_work(work);
         ddp_py_array_release(a);
         ddp_py_array_release(b);
         return NULL;
