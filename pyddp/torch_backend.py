@@ -27,26 +27,22 @@ would issue op by op; pyddp runs the batch at once so that a ring exchange canno
 deadlock). Every other group reaches torch's original functions unchanged.
 """
 import functools
-import logging
 import os
 import threading
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import _pyddp_torch_hook
 import pyddp
-from . import _C, _env, _group
+from . import _env, _group
 from . import collectives as C
 from ._torch_pg import ProcessGroupPyddp
 from ._torch_work import PyddpWork, _Completion, _future_for, raise_as_torch
-from .store import TCPStore
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
 
 NAME = _pyddp_torch_hook.NAME
-log = logging.getLogger("pyddp")
 
 _STORE_KEY = "pyddp_store_addr"   # where rank 0 publishes a store it hosts
 
@@ -85,10 +81,16 @@ def _client(host, port, timeout_s):
     key = (host, port)
     with _State.lock:
         entry = _State.stores.get(key)
-        if entry is None:
-            entry = _State.stores[key] = [_group._connect_store(host, port, timeout_s), 0]
+        if entry is not None:
+            entry[1] += 1
+            return entry[0]
+    client = _group._connect_store(host, port, timeout_s)    # not under the lock
+    with _State.lock:
+        entry = _State.stores.setdefault(key, [client, 0])
         entry[1] += 1
-        return entry[0]
+    if entry[0] is not client:
+        client.close()          # another thread connected first
+    return entry[0]
 
 
 def _release(store):

@@ -141,7 +141,7 @@ def run_plain(rank, ws, path):
 def main():
     args = parse()
     if args.import_backend:
-        import pyddp.torch_backend  # noqa: F401
+        import pyddp.torch_backend  # noqa: F401 - registers the backend
     if args.mode == "errors":
         return run_errors(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     if args.mode == "restart":
