@@ -113,8 +113,9 @@ class Watcher:
         self.rank = group._world_rank
         self.prefix = f"{group._prefix}/stall"
         self._stop = False
-        self.reports = TCPStore(st.host, st.port, timeout=timedelta(seconds=REPORT_WAIT_S))
-        self._watch = TCPStore(st.host, st.port, timeout=timedelta(hours=1))
+        host = st.host or "127.0.0.1"     # "" names a server this process hosts
+        self.reports = TCPStore(host, st.port, timeout=timedelta(seconds=REPORT_WAIT_S))
+        self._watch = TCPStore(host, st.port, timeout=timedelta(hours=1))
         group._pg.set_stall_store(self.reports._client, self.prefix)
         self._thread = threading.Thread(target=self._run, name="pyddp-watcher", daemon=True)
         self._thread.start()
