@@ -188,6 +188,20 @@ def check_non_member(ws, me):
         ok(np.array_equal(x, np.ones(3)), "size-1 group")
 
 
+def check_monitored_barrier_names_missing(ws, me):
+    """The last rank skips a monitored_barrier: rank 0 raises DistTimeoutError naming it
+    (wait_all_ranks=True lists every missing rank), and so do the ranks that came."""
+    if ws < 2 or me == ws - 1:
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+    except dist.DistTimeoutError as e:
+        ok(f"ranks [{ws - 1}]" in str(e) and "did not reach the barrier" in str(e),
+           f"monitored_barrier message: {e}")
+    else:
+        raise AssertionError("monitored_barrier passed although a rank never came")
+
+
 def check_wrong_group(ws, me):
     """Rank 0 calls all_reduce on a subgroup while rank 1 calls it on the world: a
     mismatch that names the groups, on both ranks. Breaks the group; run last."""
@@ -227,6 +241,7 @@ def main():
         check_wrong_group(ws, me)
         print(f"rank {me}: PASS {CHECKS[0]} checks", flush=True)
         return
+    check_monitored_barrier_names_missing(ws, me)
     dist.destroy_process_group()
     print(f"rank {me}: PASS {CHECKS[0]} checks", flush=True)
 
