@@ -8,6 +8,8 @@
  * transfer, and only when none moved does it sleep in poll() on the links'
  * descriptors (slices of at most ddp_wait_slice, so the abort flag is seen
  * within 100 ms), or spin and yield for transports without a descriptor.
+ * While nothing moves it asks the waiting links' check op, about once a
+ * second, whether their peer still answers (a TCP peer whose host vanished).
  */
 #include "ddp_link.h"
 
@@ -27,6 +29,8 @@
 /* Links that can park: yield this many rounds after spinning, then park. */
 #define PARK_AFTER_YIELDS 16
 #define PARK_US 1000
+/* How often an idle transfer asks its links' check op (ms). */
+#define CHECK_EVERY_MS 1000
 
 static void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -104,6 +108,20 @@ static ddp_status xfer_wait(ddp_xfer *x, int n, struct pollfd *fds, ddp_wait w,
     return DDP_OK;
 }
 
+/* Ask the check op of every link with an unfinished transfer; the first
+ * failure is prefixed like xfer_try's and returned. */
+static ddp_status xfer_check(ddp_xfer *x, int n) {
+    for (int i = 0; i < n; i++) {
+        ddp_xfer *t = &x[i];
+        if (t->parked || t->done >= t->len || t->link->ops->check == NULL) continue;
+        ddp_status st = t->link->ops->check(t->link);
+        if (st != DDP_OK)
+            return ddp_error_prefix(st, "%s %s (%zu of %zu bytes done): ", direction(t),
+                                    t->link->desc, t->done, t->len);
+    }
+    return DDP_OK;
+}
+
 static ddp_status xfer_stuck(ddp_status st, const ddp_xfer *t, int64_t start) {
     const char *peer = t->link->desc;
     if (st == DDP_ERR_ABORTED)
@@ -119,6 +137,8 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
     struct pollfd stack_fds[STACK_FDS];
     struct pollfd *fds = stack_fds;
     const int64_t start = ddp_now_ms();
+    int64_t checked = start; /* last progress (seen when idle) or check */
+    int progressed = 0;
     unsigned idle = 0;
     ddp_status st = DDP_OK;
 
@@ -156,7 +176,15 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
         }
         if (moved) {
             idle = 0;
+            progressed = 1;
             continue;
+        }
+        if (progressed) { /* read the clock when idle only, not per chunk moved */
+            progressed = 0;
+            checked = ddp_now_ms();
+        } else if (ddp_now_ms() - checked >= CHECK_EVERY_MS) {
+            checked = ddp_now_ms();
+            if ((st = xfer_check(x, n)) != DDP_OK) goto out;
         }
         if ((st = xfer_wait(x, n, fds, w, &idle)) != DDP_OK) goto out;
     }

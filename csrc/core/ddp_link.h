@@ -40,6 +40,12 @@ typedef struct ddp_link_ops {
      * driver parks here instead of spinning once a wait lasts, so a waiting
      * rank gives its core away and is still woken at once. */
     void (*park)(ddp_link *l, int timeout_us);
+    /* Optional (NULL if absent): whether the peer still answers, asked about
+     * once a second while a transfer on this link makes no progress. DDP_OK,
+     * or a failure (with its message) that ends the transfer: a TCP peer
+     * whose kernel acknowledged nothing for PYDDP_PEER_DEAD_S (its host or
+     * the network is gone; ddp_sock_peer_silent). */
+    ddp_status (*check)(ddp_link *l);
 } ddp_link_ops;
 
 struct ddp_link {

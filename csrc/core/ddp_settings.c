@@ -32,9 +32,28 @@ static const ddp_setting_decl table[] = {
      "network interface whose address this rank advertises to its peers (e.g. `eth1`). "
      "Without it pyddp uses the local address that routes to `MASTER_ADDR`, which is right "
      "on VMs whose host name resolves to 127.0.1.1"},
+    {"PYDDP_PEER_DEAD_S", DDP_SETTING_INT, "15", 15, 2, 86400, CORE,
+     "CPU backend (and every store connection): seconds without any answer from a peer's "
+     "host (not even its kernel's TCP acknowledgements or keepalive replies) after which "
+     "the peer's host, or the network to it, is reported down. A peer that is alive but "
+     "stopped or slow still answers and is not affected"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "`lo-hi`: the data port each rank listens on is taken from this range (for firewalled "
      "VMs whose security group opens only a range). Without it, an ephemeral port"},
+    {"PYDDP_AUTH_TOKEN", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
+     "shared secret, the same on every node: every pyddp connection (data links, pyddp's "
+     "store) then starts with a mutual HMAC-SHA256 challenge-response (see "
+     "[security.md](security.md)). Set empty to silence the warning a multi-host job without "
+     "it prints"},
+    {"PYDDP_AUTH_TOKEN_FILE", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
+     "path of a file holding the token (read once; a trailing newline is ignored), used when "
+     "`PYDDP_AUTH_TOKEN` is unset or empty"},
+    {"PYDDP_STORE_BUFFER_BYTES", DDP_SETTING_BYTES, "268435456", 256 * MIB, 1 * MIB, NOMAX,
+     CORE, "pyddp's store server: total bytes it holds for requests that have not fully "
+     "arrived; a connection whose request would exceed it is closed"},
+    {"PYDDP_STORE_REQUEST_TIMEOUT", DDP_SETTING_SECONDS, "30", 30, 0, NOMAX, CORE,
+     "pyddp's store server: seconds a request may stay incomplete before its connection is "
+     "closed (a connection's first request gets at most 5 s)"},
     {"PYDDP_SHM_DISABLE", DDP_SETTING_BOOL, NULL, 0, 0, 1, CORE,
      "`1` forces TCP between ranks on the same host (comparison, debugging)"},
     {"PYDDP_SHM_RING_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 64 * KIB, 256 * MIB, CORE,

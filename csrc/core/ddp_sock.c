@@ -3,7 +3,11 @@
  * Implements ddp_sock.h. Every descriptor made here is non-blocking and
  * close-on-exec from birth (so a fork+exec in another thread cannot leak it),
  * connected TCP sockets get TCP_NODELAY (store requests and collective
- * headers are small and latency-bound), sends use MSG_NOSIGNAL (a peer that
+ * headers are small and latency-bound) and kernel keepalive with intervals
+ * derived from PYDDP_PEER_DEAD_S (a host that vanishes sends no FIN or RST;
+ * without keepalive an idle wait on it lasts until the group timeout, and
+ * keepalive is answered by the peer's kernel, so a peer that is merely
+ * stopped or slow is never taken for dead), sends use MSG_NOSIGNAL (a peer that
  * vanished must give EPIPE, not kill the process with SIGPIPE), and every
  * wait is a poll() of at most ddp_wait_slice() ms so the abort flag is seen
  * promptly. Connect resolves names through ddp_resolve.c, whose lookups a
@@ -26,6 +30,7 @@
 #include <unistd.h>
 
 #include "ddp_resolve.h"
+#include "ddp_settings.h"
 
 /* The least time one address of a name gets while others remain to try
  * (unless less than that is left in all): enough for a loopback or LAN
@@ -62,6 +67,61 @@ static int open_socket(int family, int type, int proto) {
 static void set_nodelay(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+int ddp_sock_peer_dead_s(void) {
+    return (int)ddp_setting_int("PYDDP_PEER_DEAD_S"); /* bounded to 2..86400 */
+}
+
+/* Keepalive so that an idle connection to a vanished host fails within
+ * about PYDDP_PEER_DEAD_S: the first probe after a third of it without
+ * traffic, then probes that fill the rest. TCP_USER_TIMEOUT is deliberately
+ * not used: Linux (5.11 and later) also applies it to a receive window that
+ * stays closed, so a live peer that does not read for that long (rank 0
+ * writing a checkpoint while the others send to it) would be cut off.
+ * Unacknowledged data is watched by ddp_sock_peer_silent instead. Best
+ * effort: a failure leaves the kernel's defaults. */
+static void set_keepalive(int fd) {
+    int one = 1, dead = ddp_sock_peer_dead_s();
+    int idle = dead / 3 > 0 ? dead / 3 : 1;
+    int intvl = (dead - idle) / 4 > 0 ? (dead - idle) / 4 : 1;
+    int cnt = (dead - idle) / intvl > 0 ? (dead - idle) / intvl : 1;
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+#ifdef TCP_KEEPIDLE
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+#endif
+}
+
+ddp_status ddp_sock_peer_dead_error(const char *what) {
+    return ddp_error(DDP_ERR_CLOSED, "no answer from %s for %d s: the host or the network "
+                     "between us is down (not even its kernel acknowledged what was sent or "
+                     "answered keepalive probes; PYDDP_PEER_DEAD_S sets how long to wait)",
+                     what ? what : "the peer", ddp_sock_peer_dead_s());
+}
+
+int ddp_sock_peer_silent(int fd, int64_t *since) {
+#if defined(__linux__) && defined(TCP_INFO)
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    memset(&ti, 0, sizeof ti);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) < 0 || len < sizeof ti) return 0;
+    int64_t dead_ms = (int64_t)ddp_sock_peer_dead_s() * 1000;
+    int waiting = ti.tcpi_state == 1 /* TCP_ESTABLISHED */ &&
+                  (ti.tcpi_unacked > 0 || ti.tcpi_probes > 0);
+    if (!waiting || (int64_t)ti.tcpi_last_ack_recv < dead_ms) {
+        *since = 0;
+        return 0;
+    }
+    int64_t now = ddp_now_ms();
+    if (*since == 0) *since = now;
+    return now - *since >= 1000;
+#else
+    (void)fd;
+    (void)since;
+    return 0;
+#endif
 }
 
 void ddp_sock_set_bufsize(int fd, int bytes) {
@@ -149,6 +209,7 @@ static int connect_addrs(const ddp_addrs *as, ddp_wait w, int *err) {
         if (e == 0 && self_connected(s)) e = ECONNREFUSED;
         if (e == 0) {
             set_nodelay(s);
+            set_keepalive(s);
             return s;
         }
         *err = e;
@@ -339,6 +400,7 @@ ddp_status ddp_sock_accept(int lfd, ddp_wait w, int *fd_out) {
         if (fd >= 0) {
             set_flags(fd);
             set_nodelay(fd);
+            set_keepalive(fd);
             *fd_out = fd;
             return DDP_OK;
         }
@@ -358,6 +420,15 @@ ddp_status ddp_sock_accept(int lfd, ddp_wait w, int *fd_out) {
 
 /* ---- data transfer ----------------------------------------------------- */
 
+/* The kernel dropped the connection (keepalive or retransmissions
+ * unanswered): the peer-dead message, with errno left ETIMEDOUT for callers
+ * that reword it with the peer's name (ddp_sock.h). */
+static ddp_status peer_gave_up(void) {
+    ddp_status st = ddp_sock_peer_dead_error("the peer");
+    errno = ETIMEDOUT;
+    return st;
+}
+
 ddp_status ddp_sock_send_some(int fd, const void *buf, size_t n, size_t *done) {
     const char *p = buf;
     while (*done < n) {
@@ -371,6 +442,7 @@ ddp_status ddp_sock_send_some(int fd, const void *buf, size_t n, size_t *done) {
         if (r < 0 && (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN))
             return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer (%s)",
                              strerror(errno));
+        if (r < 0 && errno == ETIMEDOUT) return peer_gave_up();
         return ddp_error(DDP_ERR_SYS, "send: %s", r < 0 ? strerror(errno) : "no progress");
     }
     return DDP_OK;
@@ -390,6 +462,7 @@ ddp_status ddp_sock_recv_some(int fd, void *buf, size_t n, size_t *done) {
         if (errno == ECONNRESET || errno == ENOTCONN || errno == EPIPE)
             return ddp_error(DDP_ERR_CLOSED, "connection reset by the peer (%s)",
                              strerror(errno));
+        if (errno == ETIMEDOUT) return peer_gave_up();
         return ddp_error(DDP_ERR_SYS, "recv: %s", strerror(errno));
     }
     return DDP_OK;
@@ -399,7 +472,8 @@ ddp_status ddp_sock_recv_some(int fd, void *buf, size_t n, size_t *done) {
  * until n bytes moved, the deadline passes or the flag aborts. */
 static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *what,
                            int sending) {
-    size_t done = 0;
+    size_t done = 0, seen = 0;
+    int64_t since = 0, checked = ddp_now_ms();
     const char *verb = sending ? "send" : "receive";
     if (what == NULL) what = "peer";
     for (;;) {
@@ -409,6 +483,16 @@ static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *
             return ddp_error_prefix(st, "%s %zu bytes %s %s (after %zu): ", verb, n,
                                     sending ? "to" : "from", what, done);
         if (done == n) return DDP_OK;
+        if (done != seen) {
+            seen = done;
+            checked = ddp_now_ms();
+        } else if (ddp_now_ms() - checked >= 1000) { /* idle a second: still answering? */
+            checked = ddp_now_ms();
+            if (ddp_sock_peer_silent(fd, &since))
+                return ddp_error_prefix(ddp_sock_peer_dead_error(what), "%s %zu bytes %s %s "
+                                        "(after %zu): ", verb, n, sending ? "to" : "from",
+                                        what, done);
+        }
         if (ddp_wait_aborted(w))
             return ddp_error(DDP_ERR_ABORTED, "%s %s %s aborted", verb,
                              sending ? "to" : "from", what);

@@ -1,7 +1,10 @@
 /* ddp_sock.h - TCP socket helpers with deadlines and abort flags.
  *
  * All sockets returned here are non-blocking, close-on-exec, and (for
- * connected TCP sockets) have TCP_NODELAY set. Every call that may block
+ * connected TCP sockets) have TCP_NODELAY and short kernel keepalive set, so
+ * that a peer whose host vanished (no FIN, no RST ever arrives) is noticed
+ * within about PYDDP_PEER_DEAD_S seconds (ddp_sock_peer_silent covers the
+ * case keepalive does not: data sent and never acknowledged). Every call that may block
  * takes a ddp_wait and polls in slices so that the abort flag is honoured.
  * On failure the thread's error message names the host:port involved.
  * Functions never close a descriptor they did not create.
@@ -39,7 +42,8 @@ ddp_status ddp_sock_accept(int lfd, ddp_wait w, int *fd_out);
 
 /* Send or receive exactly n bytes, polling until done, the deadline passes
  * (DDP_ERR_TIMEOUT), the flag aborts (DDP_ERR_ABORTED) or the peer closes
- * (DDP_ERR_CLOSED). `what` names the peer in error messages (may be NULL). */
+ * or stops answering (DDP_ERR_CLOSED; ddp_sock_peer_silent is checked about
+ * once a second while no byte moves). `what` names the peer in error messages (may be NULL). */
 ddp_status ddp_sock_send_all(int fd, const void *buf, size_t n, ddp_wait w,
                              const char *what);
 ddp_status ddp_sock_recv_all(int fd, void *buf, size_t n, ddp_wait w,
@@ -47,9 +51,31 @@ ddp_status ddp_sock_recv_all(int fd, void *buf, size_t n, ddp_wait w,
 
 /* Non-blocking progress: move as many bytes as the kernel takes now.
  * *done is advanced. Returns DDP_OK (possibly with no progress),
- * DDP_ERR_CLOSED on EOF/reset, DDP_ERR_SYS otherwise. */
+ * DDP_ERR_CLOSED on EOF/reset, DDP_ERR_SYS otherwise. When the kernel gave
+ * the connection up (keepalive unanswered: ETIMEDOUT) the status is
+ * DDP_ERR_CLOSED with ddp_sock_peer_dead_error's message and errno is left
+ * ETIMEDOUT, so a caller that knows the peer's name can reword it. */
 ddp_status ddp_sock_send_some(int fd, const void *buf, size_t n, size_t *done);
 ddp_status ddp_sock_recv_some(int fd, void *buf, size_t n, size_t *done);
+
+/* PYDDP_PEER_DEAD_S: seconds without any answer from a peer's kernel after
+ * which its host (or the network to it) is taken to be gone. */
+int ddp_sock_peer_dead_s(void);
+
+/* Whether the peer of connected TCP socket fd has stopped answering: this
+ * side has data out that the peer's kernel has not acknowledged (or a
+ * zero-window probe it has not answered) and nothing at all came back for
+ * PYDDP_PEER_DEAD_S seconds, on two looks at least a second apart (*since,
+ * 0 at first, keeps the first look; so a probe caught in flight is not a
+ * death). A peer that is alive but stopped or slow is never dead here: its
+ * kernel keeps acknowledging. Returns 1 if dead, else 0 (also for sockets
+ * that are not TCP). Cheap (one getsockopt), but meant for idle waits. */
+int ddp_sock_peer_silent(int fd, int64_t *since);
+
+/* The message of a dead peer host: DDP_ERR_CLOSED with "no answer from
+ * <what> for <N> s: the host or the network between us is down ...".
+ * what: e.g. "rank 1 at 10.0.0.7" or "the store at 10.0.0.1:23456". */
+ddp_status ddp_sock_peer_dead_error(const char *what);
 
 /* Set SO_SNDBUF and SO_RCVBUF (best effort). */
 void ddp_sock_set_bufsize(int fd, int bytes);

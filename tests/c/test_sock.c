@@ -11,11 +11,13 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <netinet/tcp.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include "ddp_resolve.h"
+#include "ddp_settings.h"
 #include "ddp_sock.h"
 #include "testutil.h"
 
@@ -301,7 +303,38 @@ static void test_hanging_resolver(void) {
     T_ASSERT(ddp_resolve_running() == 0);
 }
 
+/* Both ends of a connection get keepalive sized from PYDDP_PEER_DEAD_S (the
+ * probes must fit in it), a healthy idle pair is not silent, and the dead
+ * peer message names the peer and what happened. */
+static void test_keepalive_and_peer_dead(void) {
+    setenv("PYDDP_PEER_DEAD_S", "12", 1);
+    ddp_settings_reload();
+    int c, s;
+    make_pair("127.0.0.1", "127.0.0.1", &c, &s);
+    int fds[2] = {c, s};
+    for (int i = 0; i < 2; i++) {
+        int on = 0, idle = 0, intvl = 0, cnt = 0;
+        socklen_t l = sizeof on;
+        T_ASSERT(getsockopt(fds[i], SOL_SOCKET, SO_KEEPALIVE, &on, &l) == 0 && on == 1);
+        l = sizeof idle;
+        T_ASSERT(getsockopt(fds[i], IPPROTO_TCP, TCP_KEEPIDLE, &idle, &l) == 0);
+        T_ASSERT(getsockopt(fds[i], IPPROTO_TCP, TCP_KEEPINTVL, &intvl, &l) == 0);
+        T_ASSERT(getsockopt(fds[i], IPPROTO_TCP, TCP_KEEPCNT, &cnt, &l) == 0);
+        T_ASSERT(idle == 4 && idle + intvl * cnt <= 12 && idle + intvl * cnt >= 10);
+    }
+    int64_t since = 0;
+    T_ASSERT(ddp_sock_peer_silent(c, &since) == 0 && since == 0);
+    T_ASSERT(ddp_sock_peer_dead_error("rank 1 at 10.0.0.7") == DDP_ERR_CLOSED);
+    T_ASSERT(strstr(ddp_last_error(), "no answer from rank 1 at 10.0.0.7 for 12 s: the host "
+                    "or the network between us is down") != NULL);
+    close(c);
+    close(s);
+    unsetenv("PYDDP_PEER_DEAD_S");
+    ddp_settings_reload();
+}
+
 int main(void) {
+    test_keepalive_and_peer_dead();
     test_roundtrip("127.0.0.1", "127.0.0.1");
     test_roundtrip(NULL, "127.0.0.1");     /* all interfaces, reached over IPv4 */
     test_roundtrip(NULL, "localhost");
