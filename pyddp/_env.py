@@ -151,22 +151,76 @@ def port_range():
     return lo, hi
 
 
+def _is_loopback(addr) -> bool:
+    try:
+        import ipaddress
+        return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def spans_hosts() -> bool:
+    """Whether the job has ranks on other hosts, as the launcher tells: more ranks than
+    this node runs (WORLD_SIZE > LOCAL_WORLD_SIZE), or more than one node's agent
+    (torchrun's GROUP_WORLD_SIZE)."""
+    def num(name):
+        try:
+            return int(os.environ.get(name, "") or 0)
+        except ValueError:
+            return 0
+    world, local = num("WORLD_SIZE"), num("LOCAL_WORLD_SIZE")
+    return num("GROUP_WORLD_SIZE") > 1 or (local > 0 and world > local)
+
+
+def default_route_address() -> Optional[str]:
+    """The address of the interface of the default route, or None if there is none (a
+    route lookup toward a public address: no packet is sent)."""
+    for probe in ("8.8.8.8", "2001:4860:4860::8888"):
+        try:
+            addr = _C.route_addr(probe)
+        except _C.DistError:
+            continue
+        if not _is_loopback(addr):
+            return addr
+    return None
+
+
 def advertise_address(master_addr: Optional[str]) -> str:
     """The address peers should use to reach this process.
 
     PYDDP_SOCKET_IFNAME names an interface to use. Otherwise the local address that
     routes to the store host, which is right on multi-homed VMs where the host name
-    resolves to 127.0.1.1. Falls back to loopback when the store is local.
+    resolves to 127.0.1.1. When that address is loopback (the store's name resolves to
+    127.0.1.1 here, as with torchrun's c10d form on many cloud images) but the job spans
+    hosts, loopback would send every peer on another host back to itself: the address of
+    the default route's interface is used instead, and without a default route init
+    fails (DistValueError) saying to pass --local-addr or set PYDDP_SOCKET_IFNAME.
+    Loopback is advertised only to a job on one host.
     """
     ifname = os.environ.get("PYDDP_SOCKET_IFNAME")
     if ifname:
         return _C.ifname_addr(ifname)
+    addr = None
     if master_addr:
         try:
-            return _C.route_addr(master_addr)
+            addr = _C.route_addr(master_addr)
         except _C.DistError:
             pass
-    return "127.0.0.1"
+    if addr is not None and not _is_loopback(addr):
+        return addr
+    if not spans_hosts():
+        return addr or "127.0.0.1"
+    fallback = default_route_address()
+    if fallback is not None:
+        return fallback
+    raise _bad(f"the address that routes to MASTER_ADDR={master_addr!r} is "
+               f"{addr or 'none'} (loopback), and this host has no default route, but the "
+               f"job spans hosts (WORLD_SIZE={os.environ.get('WORLD_SIZE')}, "
+               f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}): peers on other "
+               f"hosts cannot reach this rank at a loopback address. Pass --local-addr=IP "
+               f"(this node's private address) to torchrun, set PYDDP_SOCKET_IFNAME to the "
+               f"interface of the private network, or make MASTER_ADDR's name resolve to "
+               f"that address")
 
 
 def host_identity() -> str:

@@ -33,7 +33,9 @@ _BACKENDS = ("cpu", "gloo", "nccl")
 
 class _State:
     pg = None              # the default Group
-    backend = None         # "cpu" or "nccl"
+    backend = None         # what get_backend() says: the name asked for ("cpu", "gloo",
+                           # "nccl"), or for backend=None "nccl" where GPU arrays use NCCL
+                           # and "cpu" otherwise
     groups_made = 0        # new_group() calls since init: every rank counts the same
     store = None           # TCPStore
     rank = -1
@@ -65,6 +67,9 @@ class Group:
         self._pg = pg                      # _C.ProcessGroup, None off the group
         self.ranks = list(ranks)
         self.backend = backend             # "cpu", "nccl", or None (NCCL on first GPU use)
+        self.backend_name = None           # get_backend()'s answer if not backend's ("gloo")
+        self._advertise = None             # the address this rank advertised (world groups)
+        self._by_route = False             # ... chosen by the route to MASTER_ADDR
         self._store = store
         self._prefix = prefix
         self._timeout_s = timeout_s
@@ -105,9 +110,26 @@ class Group:
         member reaches it at the same collective, so the set-up is collective too."""
         from . import _nccl_backend
         _nccl_backend.require()
+        self._nccl_interface()
         dev = _nccl_backend._device_index(_State.device_id if self is _State.pg else None)
         self._pg.attach_nccl(self._store._client, f"{self._prefix}/nccl", dev,
                              int(self._timeout_s * 1000), __version__)
+
+    def _nccl_interface(self):
+        """Give NCCL the interface pyddp chose by the route to MASTER_ADDR, unless the
+        user named one (NCCL_SOCKET_IFNAME) or pyddp's own was named (then NCCL's
+        choice is the user's to make too). NCCL reads the variable when it first
+        initialises, so it is set before that; left alone for loopback (one host)."""
+        world = _State.pg if _State.pg is not None else self
+        addr = world._advertise or self._advertise
+        if os.environ.get("NCCL_SOCKET_IFNAME") or not (world._by_route or self._by_route):
+            return
+        from ._doctor_facts import iface_of
+        ifname = iface_of(addr) if addr else ""
+        if ifname and ifname != "lo":
+            os.environ["NCCL_SOCKET_IFNAME"] = ifname
+            log.debug("pyddp: NCCL_SOCKET_IFNAME=%s (the interface of %s, which routes to "
+                      "the master)", ifname, addr)
 
     def subgroup(self, ranks, name, backend=None, timeout_s=None):
         """A subgroup of this group's global ranks ``ranks``: member-only (only the
@@ -123,6 +145,8 @@ class Group:
                   prefix, self._timeout_s if timeout_s is None else timeout_s,
                   self._world_rank)
         g._watcher = self._watcher
+        if backend is None:
+            g.backend_name = self.backend_name
         return g
 
     def _destroy(self):
@@ -185,7 +209,12 @@ def get_world_size(group=None) -> int:
 
 
 def get_backend(group=None) -> str:
+    """The backend's name as it was asked for ("gloo" when init_process_group or
+    new_group got "gloo", which is pyddp's CPU backend); for backend=None, "nccl" where
+    GPU arrays go to NCCL, else "cpu"."""
     g = _resolve(group)
+    if g.backend_name is not None:
+        return g.backend_name
     return _State.backend if g.backend is None else g.backend
 
 
@@ -227,9 +256,14 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     be = None if backend is None else _pick_backend(backend, check=False)
     timeout_s = _env.timeout_seconds(timeout) if timeout is not None else world._timeout_s
     if world.rank not in ranks:
-        return Group(None, ranks, be or world.backend, world._store, None, timeout_s,
-                     world.rank)
-    return world.subgroup(ranks, str(n), be, timeout_s)
+        g = Group(None, ranks, be or world.backend, world._store, None, timeout_s,
+                  world.rank)
+        g.backend_name = world.backend_name if be is None else _asked_name(backend)
+        return g
+    g = world.subgroup(ranks, str(n), be, timeout_s)
+    if be is not None:
+        g.backend_name = _asked_name(backend)
+    return g
 
 
 def create_world(store, rank, world_size, timeout_s, name, backend=None, master_addr=None):
@@ -252,6 +286,8 @@ def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
                          int(timeout_s * 1000), __version__, _env.host_identity())
     g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+    g._advertise = advertise
+    g._by_route = not os.environ.get("PYDDP_SOCKET_IFNAME") and bool(master_addr)
     if world_size > 1:
         try:
             g._watcher = _forensics.Watcher(g)
@@ -419,6 +455,14 @@ def _pick_backend(backend, check=True):
     return "cpu" if b == "gloo" else b
 
 
+def _asked_name(backend):
+    """get_backend()'s answer for a backend that was named: "gloo" for "gloo" (scripts
+    branch on it), else the name _pick_backend settles on; None for automatic."""
+    if isinstance(backend, str) and backend.lower() == "gloo":
+        return "gloo"
+    return None
+
+
 def _auto_backend_name():
     """get_backend()'s answer for backend=None: "nccl" where GPU arrays will go to
     NCCL, else "cpu"."""
@@ -480,7 +524,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             store.close()
         raise
     _State.pg, _State.store = pg, store
-    _State.backend = be or _auto_backend_name()
+    pg.backend_name = _asked_name(backend)
+    _State.backend = pg.backend_name or be or _auto_backend_name()
     _State.groups_made = 0
     _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
     _State.own_store = own_store
