@@ -70,3 +70,63 @@ def two_hosts(rate=None):
 def exec_prefix(ns):
     """Command prefix that runs a command inside namespace ns."""
     return ["ip", "netns", "exec", ns]
+
+
+Routed = collections.namedtuple("Routed", "a b router router_ifs")
+
+
+@contextlib.contextmanager
+def routed_hosts():
+    """Yield Routed(a, b, router, router_ifs): two host namespaces, each with a veth link
+    to a third namespace that routes between them (as two VMs behind a router or a
+    cloud's virtual network), and a default route via the router, so a lookup toward a
+    public address finds the host's own interface. router_ifs: the router's two veth
+    interfaces, where partition() drops packets. Addresses from 10.214.0.0/16, two /30s
+    chosen from the process id; everything is deleted on exit, also after errors."""
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces need root")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        raise NetnsUnavailable("iproute2 (`ip`, `tc`) is not installed")
+    tag = os.getpid() % 8000
+    ns = {k: f"pyddp{tag}{k}" for k in ("a", "b", "r")}
+    base = 8 * tag
+    pre = f"10.214.{base // 256}."
+    low = base % 256
+    addr = {"a": pre + str(low + 1), "ra": pre + str(low + 2),
+            "b": pre + str(low + 5), "rb": pre + str(low + 6)}
+    made = []
+    try:
+        for n in ns.values():
+            _ip("netns", "add", n)
+            made.append(n)
+            _ip("-n", n, "link", "set", "lo", "up")
+        for h in ("a", "b"):
+            host_if, router_if = f"pdr{tag}{h}", f"pdr{tag}r{h}"
+            _ip("link", "add", host_if, "netns", ns[h], "type", "veth", "peer", "name",
+                router_if, "netns", ns["r"])
+            _ip("-n", ns[h], "addr", "add", f"{addr[h]}/30", "dev", host_if)
+            _ip("-n", ns["r"], "addr", "add", f"{addr['r' + h]}/30", "dev", router_if)
+            _ip("-n", ns[h], "link", "set", host_if, "up")
+            _ip("-n", ns["r"], "link", "set", router_if, "up")
+            _ip("-n", ns[h], "route", "add", "default", "via", addr["r" + h])
+        r = subprocess.run(exec_prefix(ns["r"]) + ["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            raise NetnsUnavailable(f"cannot enable forwarding: {r.stderr.strip()}")
+        yield Routed(Host(ns["a"], addr["a"], f"pdr{tag}a"), Host(ns["b"], addr["b"], f"pdr{tag}b"),
+                     ns["r"], (f"pdr{tag}ra", f"pdr{tag}rb"))
+    finally:
+        for n in made:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=20)
+
+
+def partition(routed):
+    """Drop every packet the router forwards, in both directions, as a vanished host or
+    a network partition does: no FIN, no RST, nothing. A token bucket with a one-byte
+    burst (netem is not available everywhere) passes no packet at all."""
+    for dev in routed.router_ifs:
+        r = subprocess.run(["tc", "-n", routed.router, "qdisc", "add", "dev", dev, "root",
+                            "tbf", "rate", "1kbit", "burst", "1", "latency", "1ms"],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            raise NetnsUnavailable(f"tc tbf on {dev} failed: {r.stderr.strip()}")
