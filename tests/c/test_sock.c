@@ -333,8 +333,35 @@ static void test_keepalive_and_peer_dead(void) {
     ddp_settings_reload();
 }
 
+/* A live peer that reads nothing (rank 0 writing a checkpoint while the others
+ * send to it) is not dead, however long its receive window stays closed: its
+ * kernel answers the window probes. With TCP_USER_TIMEOUT at the dead time,
+ * Linux would drop this connection after 2 s. */
+static void test_closed_window_is_not_dead(void) {
+    setenv("PYDDP_PEER_DEAD_S", "2", 1);
+    ddp_settings_reload();
+    int c, s;
+    make_pair("127.0.0.1", "127.0.0.1", &c, &s);
+    static char chunk[1 << 16];
+    size_t total = 0;
+    int64_t since = 0, t0 = ddp_now_ms();
+    while (ddp_now_ms() - t0 < 3500) {
+        size_t done = 0;
+        T_OK(ddp_sock_send_some(c, chunk, sizeof chunk, &done));
+        total += done;
+        T_ASSERT(ddp_sock_peer_silent(c, &since) == 0);
+        usleep(100 * 1000);
+    }
+    T_ASSERT(total > 0);
+    close(c);
+    close(s);
+    unsetenv("PYDDP_PEER_DEAD_S");
+    ddp_settings_reload();
+}
+
 int main(void) {
     test_keepalive_and_peer_dead();
+    test_closed_window_is_not_dead();
     test_roundtrip("127.0.0.1", "127.0.0.1");
     test_roundtrip(NULL, "127.0.0.1");     /* all interfaces, reached over IPv4 */
     test_roundtrip(NULL, "localhost");
