@@ -118,7 +118,7 @@ def test_vanished_host_is_an_error_on_every_rank_within_30_s():
                 assert d["cls"] == "DistNetworkError", d
                 assert f"no answer from rank {peer} at {peer_addr} for 15 s: the host or " \
                        f"the network between us is down" in d["msg"], d
-                print(f"rank {r} raised {d['t'] - t0:.1f} s after the partition")
+                print(f"rank {r} raised {d['t'] - t0:.1f} s after the partition: {d['msg']}")
         finally:
             ranks.stop()
 
