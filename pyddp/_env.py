@@ -223,6 +223,22 @@ def advertise_address(master_addr: Optional[str]) -> str:
                f"that address")
 
 
+def interface_of(addr) -> str:
+    """The name of the interface that holds address addr ('' if none does), as
+    PYDDP_SOCKET_IFNAME would name it. Interfaces without an address are skipped."""
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return ""
+    for n in names:
+        try:
+            if _C.ifname_addr(n) == addr:
+                return n
+        except (_C.DistError, ValueError):   # no address: DistValueError
+            continue
+    return ""
+
+
 def host_identity() -> str:
     """Ranks with equal identities share memory (same kernel boot, host name and network
     namespace), so they may talk through shared memory instead of TCP."""

@@ -124,8 +124,7 @@ class Group:
         addr = world._advertise or self._advertise
         if os.environ.get("NCCL_SOCKET_IFNAME") or not (world._by_route or self._by_route):
             return
-        from ._doctor_facts import iface_of
-        ifname = iface_of(addr) if addr else ""
+        ifname = _env.interface_of(addr) if addr else ""
         if ifname and ifname != "lo":
             os.environ["NCCL_SOCKET_IFNAME"] = ifname
             log.debug("pyddp: NCCL_SOCKET_IFNAME=%s (the interface of %s, which routes to "
@@ -321,7 +320,7 @@ def _warn_slow(what, addr, port, elapsed, total):
           f"nodes.", file=sys.stderr, flush=True)
 
 
-def _connect_store(addr, port, timeout_s, world_size=None):
+def _connect_store(addr, port, timeout_s, world_size=None, auth=None):
     """Connect to a store server that someone else hosts, warning on stderr every 15 s
     while it is unreachable and failing with DistNetworkError at the timeout."""
     deadline = time.monotonic() + timeout_s
@@ -330,7 +329,7 @@ def _connect_store(addr, port, timeout_s, world_size=None):
         left = deadline - time.monotonic()
         try:
             store = TCPStore(addr, port, is_master=False,
-                             timeout=_td(max(min(left, 15.0), 0.001)))
+                             timeout=_td(max(min(left, 15.0), 0.001)), auth=auth)
             store.set_timeout(_td(timeout_s))
             return store
         except _C.DistNetworkError as e:
@@ -397,8 +396,10 @@ def _primary_address():
 def _make_store(rdzv, timeout_s):
     if rdzv.method == "file":
         return _file_store(rdzv.file_path, rdzv.rank, timeout_s)
-    if rdzv.use_agent_store or rdzv.rank != 0:
+    if rdzv.use_agent_store:
         return _connect_store(rdzv.master_addr, rdzv.master_port, timeout_s)
+    if rdzv.rank != 0:   # rank 0 hosts pyddp's server: authenticate with it if a token is set
+        return _connect_store(rdzv.master_addr, rdzv.master_port, timeout_s, auth=True)
     # rank 0 hosts the store on MASTER_PORT (plain env:// launch, or tcp://)
     return _hosted_store(("tcp", rdzv.master_port), rdzv.master_addr, rdzv.master_port,
                          timeout_s)
@@ -529,8 +530,22 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _State.groups_made = 0
     _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
     _State.own_store = own_store
+    _warn_unauthenticated(pg)
     log.debug("pyddp: rank %d/%d initialized (%s backend, prefix %s)", rdzv.rank,
               rdzv.world_size, _State.backend, prefix)
+
+
+def _warn_unauthenticated(g):
+    """One line when a job spans hosts without PYDDP_AUTH_TOKEN (an explicitly empty
+    PYDDP_AUTH_TOKEN= silences it): anyone who reaches its ports could join it."""
+    if "PYDDP_AUTH_TOKEN" in os.environ or os.environ.get("PYDDP_AUTH_TOKEN_FILE"):
+        return
+    pg = g.pg()
+    hosts = {pg.peer(r)[1] for r in range(pg.size)}
+    if len(hosts) > 1 and _State.rank == 0:
+        log.warning("pyddp: this job spans %d hosts without PYDDP_AUTH_TOKEN: any machine that "
+                    "can reach its ports can join it or send it data (see docs/security.md; "
+                    "set PYDDP_AUTH_TOKEN= empty to silence this)", len(hosts))
 
 
 def destroy_process_group(group=None):

@@ -266,3 +266,29 @@ def test_resume_without_shared_storage(tmp_path):
         assert m, res.output[-3000:]
         assert int(m.group(1)) == epoch + 2 and m.group(2) == want, (m.groups(), want)
     assert "epoch 2/2" in second[0].stdout and "epoch 1/2" not in second[0].stdout
+
+
+def test_nccl_gets_the_interface_chosen_by_route(monkeypatch):
+    """Group._nccl_interface, which runs before NCCL initialises: NCCL_SOCKET_IFNAME is
+    set to the interface of the address pyddp chose by the route to MASTER_ADDR, left
+    alone when the user set it or chose pyddp's interface by name."""
+    from pyddp import _group
+    r = subprocess.run(["ip", "route", "get", "8.8.8.8"], capture_output=True, text=True,
+                       timeout=20)
+    m = re.search(r"\bdev (\S+) .*?\bsrc (\S+)", r.stdout)
+    if r.returncode != 0 or not m:
+        pytest.skip("this machine has no default route")
+    dev, src = m.groups()
+    g = _group.Group.__new__(_group.Group)
+    g._advertise, g._by_route = src, True
+    monkeypatch.setattr(_group._State, "pg", None)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    g._nccl_interface()
+    assert os.environ.get("NCCL_SOCKET_IFNAME") == dev
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=ib0")
+    g._nccl_interface()
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "=ib0"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    g._by_route = False                        # PYDDP_SOCKET_IFNAME chose it: the user's call
+    g._nccl_interface()
+    assert "NCCL_SOCKET_IFNAME" not in os.environ
