@@ -4,7 +4,7 @@
  * close-on-exec from birth (so a fork+exec in another thread cannot leak it),
  * connected TCP sockets get TCP_NODELAY (store requests and collective
  * headers are small and latency-bound) and kernel keepalive with intervals
- * derived from PYDDP_PEER_DEAD_S (a host that vanishes sends no FIN or RST;
+ * derived from PYDDP_PEER_DEAD_S (ddp_sock_alive.c: a host that vanishes sends no FIN or RST;
  * without keepalive an idle wait on it lasts until the group timeout, and
  * keepalive is answered by the peer's kernel, so a peer that is merely
  * stopped or slow is never taken for dead), sends use MSG_NOSIGNAL (a peer that
@@ -30,7 +30,6 @@
 #include <unistd.h>
 
 #include "ddp_resolve.h"
-#include "ddp_settings.h"
 
 /* The least time one address of a name gets while others remain to try
  * (unless less than that is left in all): enough for a loopback or LAN
@@ -67,61 +66,6 @@ static int open_socket(int family, int type, int proto) {
 static void set_nodelay(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-
-int ddp_sock_peer_dead_s(void) {
-    return (int)ddp_setting_int("PYDDP_PEER_DEAD_S"); /* bounded to 2..86400 */
-}
-
-/* Keepalive so that an idle connection to a vanished host fails within
- * about PYDDP_PEER_DEAD_S: the first probe after a third of it without
- * traffic, then probes that fill the rest. TCP_USER_TIMEOUT is deliberately
- * not used: Linux (5.11 and later) also applies it to a receive window that
- * stays closed, so a live peer that does not read for that long (rank 0
- * writing a checkpoint while the others send to it) would be cut off.
- * Unacknowledged data is watched by ddp_sock_peer_silent instead. Best
- * effort: a failure leaves the kernel's defaults. */
-static void set_keepalive(int fd) {
-    int one = 1, dead = ddp_sock_peer_dead_s();
-    int idle = dead / 3 > 0 ? dead / 3 : 1;
-    int intvl = (dead - idle) / 4 > 0 ? (dead - idle) / 4 : 1;
-    int cnt = (dead - idle) / intvl > 0 ? (dead - idle) / intvl : 1;
-    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-#ifdef TCP_KEEPIDLE
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
-#endif
-}
-
-ddp_status ddp_sock_peer_dead_error(const char *what) {
-    return ddp_error(DDP_ERR_CLOSED, "no answer from %s for %d s: the host or the network "
-                     "between us is down (not even its kernel acknowledged what was sent or "
-                     "answered keepalive probes; PYDDP_PEER_DEAD_S sets how long to wait)",
-                     what ? what : "the peer", ddp_sock_peer_dead_s());
-}
-
-int ddp_sock_peer_silent(int fd, int64_t *since) {
-#if defined(__linux__) && defined(TCP_INFO)
-    struct tcp_info ti;
-    socklen_t len = sizeof ti;
-    memset(&ti, 0, sizeof ti);
-    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) < 0 || len < sizeof ti) return 0;
-    int64_t dead_ms = (int64_t)ddp_sock_peer_dead_s() * 1000;
-    int waiting = ti.tcpi_state == 1 /* TCP_ESTABLISHED */ &&
-                  (ti.tcpi_unacked > 0 || ti.tcpi_probes > 0);
-    if (!waiting || (int64_t)ti.tcpi_last_ack_recv < dead_ms) {
-        *since = 0;
-        return 0;
-    }
-    int64_t now = ddp_now_ms();
-    if (*since == 0) *since = now;
-    return now - *since >= 1000;
-#else
-    (void)fd;
-    (void)since;
-    return 0;
-#endif
 }
 
 void ddp_sock_set_bufsize(int fd, int bytes) {
@@ -209,7 +153,7 @@ static int connect_addrs(const ddp_addrs *as, ddp_wait w, int *err) {
         if (e == 0 && self_connected(s)) e = ECONNREFUSED;
         if (e == 0) {
             set_nodelay(s);
-            set_keepalive(s);
+            ddp_sock_set_keepalive(s);
             return s;
         }
         *err = e;
@@ -400,7 +344,7 @@ ddp_status ddp_sock_accept(int lfd, ddp_wait w, int *fd_out) {
         if (fd >= 0) {
             set_flags(fd);
             set_nodelay(fd);
-            set_keepalive(fd);
+            ddp_sock_set_keepalive(fd);
             *fd_out = fd;
             return DDP_OK;
         }

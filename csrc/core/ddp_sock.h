@@ -58,6 +58,10 @@ ddp_status ddp_sock_recv_all(int fd, void *buf, size_t n, ddp_wait w,
 ddp_status ddp_sock_send_some(int fd, const void *buf, size_t n, size_t *done);
 ddp_status ddp_sock_recv_some(int fd, void *buf, size_t n, size_t *done);
 
+/* Kernel keepalive sized from PYDDP_PEER_DEAD_S (best effort; ddp_sock's
+ * connect and accept apply it to every connection they make). */
+void ddp_sock_set_keepalive(int fd);
+
 /* PYDDP_PEER_DEAD_S: seconds without any answer from a peer's kernel after
  * which its host (or the network to it) is taken to be gone. */
 int ddp_sock_peer_dead_s(void);
