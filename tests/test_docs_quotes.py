@@ -47,8 +47,9 @@ def source_messages():
 
 
 def doc_quotes():
-    """The quoted messages of troubleshooting.md, in the page's words."""
-    quotes = []
+    """The quoted messages of troubleshooting.md, in the page's words (code blocks are
+    example output, kept in step by the tests that produce them)."""
+    quotes, prose = [], []
     in_code = False
     for line in open(DOC, encoding="utf-8"):
         if line.startswith("```"):
@@ -61,8 +62,11 @@ def doc_quotes():
         elif line.startswith("> "):
             quotes.append(line[2:].strip().strip('"'))
         else:
-            quotes += [s for s in re.findall(r"`([^`]+)`", line)
-                       if ": " in s and len(s.split()) >= 6]
+            prose.append(line.rstrip("\n"))
+    # code spans may wrap onto the next line: look for them in whole paragraphs
+    for para in " ".join(x if x.strip() else "\n" for x in prose).split("\n"):
+        quotes += [re.sub(r"\s+", " ", q) for q in re.findall(r"`([^`]+)`", para)
+                   if ": " in q and len(q.split()) >= 6]
     return quotes
 
 
