@@ -3,8 +3,9 @@ tests need root and are skipped without it):
 
 * a host that vanishes mid-job (the router between two host namespaces drops every
   packet: no FIN, no RST) is an error on every rank within 30 s, with a 600 s group
-  timeout, naming the peer and its host; a peer that is alive but stopped (SIGSTOP for
-  20 s, with 4 MiB all_reduces in flight) is not declared dead;
+  timeout, naming the peer and its host, and so is a store client waiting on a key; a
+  peer that is alive but stopped (SIGSTOP for 20 s, with 4 MiB all_reduces running) is
+  not declared dead;
 * loopback is never advertised to peers on other hosts;
 * a pyddp version mismatch with backend="nccl" fails on every rank with
   VersionMismatchError naming hosts and versions (NCCL test doubles);
@@ -119,6 +120,28 @@ def test_vanished_host_is_an_error_on_every_rank_within_30_s():
                 assert f"no answer from rank {peer} at {peer_addr} for 15 s: the host or " \
                        f"the network between us is down" in d["msg"], d
                 print(f"rank {r} raised {d['t'] - t0:.1f} s after the partition: {d['msg']}")
+        finally:
+            ranks.stop()
+
+
+@root_only
+def test_store_client_notices_a_vanished_store_host():
+    """The store connection, idle in a wait for a key, is watched the same way."""
+    with _routed() as rt:
+        ranks = Ranks("vanish_store.py", [rt.a, rt.b])
+        try:
+            ready = ranks.wait_for("READY", 1, time.monotonic() + 60)
+            assert 1 in ready, ranks.output()
+            partition(rt)
+            t0 = time.time()
+            raised = ranks.wait_for("RAISED", 1, time.monotonic() + 40)
+            assert 1 in raised, ranks.output()
+            d = json.loads(raised[1][1])
+            assert d["t"] - t0 < 30, (d, ranks.output())
+            assert f"no answer from {rt.a.addr}:" in d["msg"] and \
+                "the host or the network between us is down" in d["msg"], d
+            print(f"the store client raised {d['t'] - t0:.1f} s after the partition: "
+                  f"{d['cls']}: {d['msg']}")
         finally:
             ranks.stop()
 

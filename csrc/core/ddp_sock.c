@@ -421,8 +421,11 @@ static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *
     const char *verb = sending ? "send" : "receive";
     if (what == NULL) what = "peer";
     for (;;) {
+        errno = 0;
         ddp_status st = sending ? ddp_sock_send_some(fd, buf, n, &done)
                                 : ddp_sock_recv_some(fd, buf, n, &done);
+        if (st != DDP_OK && errno == ETIMEDOUT) /* keepalive gave up: name the peer */
+            st = ddp_sock_peer_dead_error(what);
         if (st != DDP_OK)
             return ddp_error_prefix(st, "%s %zu bytes %s %s (after %zu): ", verb, n,
                                     sending ? "to" : "from", what, done);
