@@ -12,7 +12,7 @@ Importing pyddp never imports torch; NumPy is the only requirement.
 """
 from ._version import __version__
 from . import _C
-from ._C import (BackendUnavailableError, CollectiveMismatchError, DistBackendError,
+from ._C import (AuthenticationError, BackendUnavailableError, CollectiveMismatchError, DistBackendError,
                  DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError,
                  DistTimeoutError, DistTypeError, DistValueError, VersionMismatchError)
 from ._group import (WORLD, Group, destroy_process_group, get_backend, get_global_rank,

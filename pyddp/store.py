@@ -12,6 +12,7 @@ Python-level conventions:
   ``ADD "init/" 1`` on connect and the master waits until the count reaches
   ``world_size``, exactly like torch.
 """
+import os
 import time
 from datetime import timedelta
 
@@ -30,6 +31,17 @@ def _as_bytes(value, what):
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise DistTypeError(f"{what} must be str or bytes, not {type(value).__name__}")
+
+
+def _auth_mode(auth, is_master):
+    """The C client's authentication mode: 0 never, 1 required, 2 try (see TCPStore)."""
+    if auth is not None:
+        return 1 if auth else 0
+    if is_master:
+        return 1
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return 0    # torchrun's agent hosts torch's TCPStore, which cannot authenticate
+    return 2
 
 
 def _wire_key(key):
@@ -59,6 +71,12 @@ class TCPStore:
         timeout: default timeout for connecting, ``get`` and ``wait``.
         wait_for_workers: with ``world_size``, register in ``init/`` and (master) wait
             for every worker to do so before returning.
+        auth: whether the client authenticates with PYDDP_AUTH_TOKEN (only when a token
+            is set; see docs/security.md): True requires it (a server that cannot is an
+            error), False never tries (torch's servers cannot), None (default) decides:
+            required towards this process's own server, off under torchrun's agent store
+            (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise tried, falling back when the
+            server closes the connection at the request as torch's servers do.
         multi_tenant, master_listen_fd, use_libuv: accepted for compatibility with
             torch and ignored: every master here owns its own C server, always creates
             its own socket, and there is a single server implementation.
@@ -73,7 +91,7 @@ class TCPStore:
 
     def __init__(self, host_name, port, world_size=None, is_master=False,
                  timeout=timedelta(seconds=300), wait_for_workers=True, multi_tenant=False,
-                 master_listen_fd=None, use_libuv=True):
+                 master_listen_fd=None, use_libuv=True, auth=None):
         if not isinstance(host_name, str):
             raise DistTypeError(f"host_name must be str, not {type(host_name).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -97,7 +115,7 @@ class TCPStore:
         self._port = port
         try:
             self._client.connect("localhost" if is_master else host_name, port,
-                                 self._timeout_ms)
+                                 self._timeout_ms, _auth_mode(auth, is_master))
             if world_size is not None and wait_for_workers:
                 self._client.add(_INIT_KEY, 1)
                 if is_master:

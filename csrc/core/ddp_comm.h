@@ -43,7 +43,7 @@
 #include "ddp_pg.h"
 #include "ddp_store.h"
 
-#define DDP_WIRE_VERSION 2
+#define DDP_WIRE_VERSION 3
 
 typedef struct ddp_comm ddp_comm;
 typedef struct ddp_work ddp_work;

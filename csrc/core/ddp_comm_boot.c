@@ -9,8 +9,10 @@
  *      with the full list of ranks, hosts and versions;
  *   4. connect to every lower rank and accept from every higher rank; the
  *      first bytes on a connection are a hello (magic, wire version, group
- *      tag, rank, size) so stray, stale or other-version connections are
- *      rejected;
+ *      tag, rank, size, whether the sender has a token) so stray, stale or
+ *      other-version connections are rejected; the acceptor answers, and
+ *      with PYDDP_AUTH_TOKEN set both sides then prove they know the token
+ *      (ddp_hello.h, ddp_auth.h) before the link is used;
  *   5. upgrade same-host pairs to shared memory where a transport for it is
  *      linked in (ddp_comm_shm.c decides), else keep TCP.
  */
@@ -21,36 +23,42 @@
 #include <unistd.h>
 
 #include "ddp_comm_internal.h"
-#include "ddp_le.h"
+#include "ddp_hello.h"
 #include "ddp_sock.h"
 
-#define HELLO_MAGIC 0x44445048u /* "HPDD" */
-#define HELLO_BYTES 24
+#define HELLO_MAGIC DDP_HELLO_MAGIC
+#define HELLO_BYTES DDP_HELLO_BYTES
+#define AUTH_POLL_MS 2000   /* how often a waiting rank looks for auth failures */
+typedef ddp_hello hello;
 
-/* The hello, in host form. On the wire: u32 magic, u32 wire, u64 tag,
- * i32 rank, i32 size, little-endian, 24 bytes (hello_encode/decode). */
-typedef struct hello {
-    uint32_t magic;
-    uint32_t wire;
-    uint64_t tag;    /* hash of the group prefix */
-    int32_t rank;
-    int32_t size;
-} hello;
-
-static void hello_encode(const hello *h, unsigned char out[HELLO_BYTES]) {
-    ddp_le_put32(out, h->magic);
-    ddp_le_put32(out + 4, h->wire);
-    ddp_le_put64(out + 8, h->tag);
-    ddp_le_put32(out + 16, (uint32_t)h->rank);
-    ddp_le_put32(out + 20, (uint32_t)h->size);
+/* Called while waiting at rendezvous: fails this rank when another rank
+ * announced an authentication failure, or when this process rejected a
+ * connection (its store server or data port) since t0 and what it waits
+ * for has still not arrived DDP_AUTH_GRACE_MS later; the failure is then
+ * announced to the others. Without this, ranks with different tokens
+ * would wait for their whole timeout. */
+static ddp_status auth_watch(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                             int64_t t0, const char *waiting_for, ddp_wait w) {
+    ddp_status st = ddp_auth_check_announced(store, cfg->prefix, ddp_wait_for(2000, w.abort));
+    if (st != DDP_OK) return ddp_error_prefix(st, "rank %d: another rank reported: ", c->rank);
+    int64_t when = 0;
+    char msg[800];
+    if (ddp_auth_last_reject(t0, &when, msg, sizeof msg) &&
+        ddp_now_ms() - when >= DDP_AUTH_GRACE_MS) {
+        st = ddp_error(DDP_ERR_AUTH, "rank %d: %s; %s still missing %d s later. Check that "
+                       "every rank has the same PYDDP_AUTH_TOKEN.", c->rank, msg,
+                       waiting_for, DDP_AUTH_GRACE_MS / 1000);
+        ddp_auth_announce(store, cfg->prefix, ddp_last_error());
+        return st;
+    }
+    return DDP_OK;
 }
 
-static void hello_decode(const unsigned char in[HELLO_BYTES], hello *h) {
-    h->magic = ddp_le_get32(in);
-    h->wire = ddp_le_get32(in + 4);
-    h->tag = ddp_le_get64(in + 8);
-    h->rank = (int32_t)ddp_le_get32(in + 16);
-    h->size = (int32_t)ddp_le_get32(in + 20);
+/* w cut to at most AUTH_POLL_MS from now. */
+static ddp_wait poll_slice(ddp_wait w) {
+    int64_t end = ddp_now_ms() + AUTH_POLL_MS;
+    if (w.deadline_ms > end) w.deadline_ms = end;
+    return w;
 }
 
 uint64_t ddp_comm_hash(const char *s) {
@@ -80,7 +88,7 @@ static int field(const char *line, const char *name, char *out, size_t outlen) {
 
 /* Publish this rank's line and read everyone's into c->lines. */
 static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                                 int port, ddp_wait w) {
+                                 int port, ddp_wait w, int64_t t0) {
     char key[600], line[1200];
     snprintf(line, sizeof line, "ver=%s;wire=%d;addr=%s;port=%d;host=%s", cfg->version,
              DDP_WIRE_VERSION, cfg->advertise_host, port, cfg->host_id);
@@ -91,7 +99,13 @@ static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_st
         void *val = NULL;
         size_t vlen = 0;
         snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, r);
-        st = ddp_store_get(store, key, strlen(key), &val, &vlen, w);
+        for (;;) {   /* in slices, watching for authentication failures */
+            st = ddp_store_get(store, key, strlen(key), &val, &vlen, poll_slice(w));
+            if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w)) break;
+            char what[64];
+            snprintf(what, sizeof what, "rank %d's address", r);
+            if ((st = auth_watch(c, cfg, store, t0, what, w)) != DDP_OK) return st;
+        }
         if (st != DDP_OK) {
             if (st == DDP_ERR_TIMEOUT)
                 return ddp_error(st, "rank %d: rank %d did not join the process group within "
@@ -134,11 +148,19 @@ static ddp_status check_versions(ddp_comm *c) {
                      "same pyddp version on every node (pip install pyddp==<version>).", list);
 }
 
-static ddp_status accept_peers(ddp_comm *c, int lfd, uint64_t tag, ddp_wait w) {
+static ddp_status accept_peers(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                               int lfd, uint64_t tag, const ddp_auth *auth, ddp_wait w,
+                               int64_t t0) {
     int need = c->size - 1 - c->rank;
     while (need > 0) {
         int fd = -1;
-        ddp_status st = ddp_sock_accept(lfd, w, &fd);
+        ddp_status st = ddp_sock_accept(lfd, poll_slice(w), &fd);
+        if (st == DDP_ERR_TIMEOUT && !ddp_wait_expired(w)) {
+            char what[64];
+            snprintf(what, sizeof what, "%d higher rank(s)' connection(s)", need);
+            if ((st = auth_watch(c, cfg, store, t0, what, w)) != DDP_OK) return st;
+            continue;
+        }
         if (st != DDP_OK)
             return ddp_error_prefix(st, "rank %d waiting for %d higher rank(s) to connect: ",
                                     c->rank, need);
@@ -149,8 +171,15 @@ static ddp_status accept_peers(ddp_comm *c, int lfd, uint64_t tag, ddp_wait w) {
         hello h;
         ddp_wait hw = ddp_wait_for(5000, w.abort);
         if (hw.deadline_ms > w.deadline_ms) hw.deadline_ms = w.deadline_ms;
-        st = ddp_sock_recv_all(fd, raw, sizeof raw, hw, "a connecting peer");
-        hello_decode(raw, &h);
+        /* The first 24 bytes are laid out alike in every wire version, so an
+         * older peer's hello is still recognised and named below. */
+        memset(raw, 0, sizeof raw);
+        st = ddp_sock_recv_all(fd, raw, 24, hw, "a connecting peer");
+        ddp_hello_decode(raw, &h);
+        if (st == DDP_OK && h.magic == HELLO_MAGIC && h.wire == DDP_WIRE_VERSION) {
+            st = ddp_sock_recv_all(fd, raw + 24, sizeof raw - 24, hw, "a connecting peer");
+            ddp_hello_decode(raw, &h);
+        }
         if (st == DDP_OK && h.magic == HELLO_MAGIC && h.tag == tag && h.wire != DDP_WIRE_VERSION) {
             /* One of ours, but speaking another wire version: the version check
              * through the store normally catches this first; say it plainly. */
@@ -167,6 +196,16 @@ static ddp_status accept_peers(ddp_comm *c, int lfd, uint64_t tag, ddp_wait w) {
                 return st;
             continue;
         }
+        /* Nothing but the handshake is read from it until it passes. */
+        char addr[DDP_ADDR_MAX + 16], purpose[128];
+        ddp_auth_peer_name(fd, addr, sizeof addr);
+        ddp_hello_purpose(tag, h.rank, c->rank, c->size, purpose, sizeof purpose);
+        st = ddp_hello_accept(fd, &h, auth, purpose, hw, addr);
+        if (st != DDP_OK) {
+            close(fd);   /* dropped (and logged); auth_watch fails the job if need be */
+            if (st == DDP_ERR_ABORTED) return st;
+            continue;
+        }
         c->links[h.rank] = ddp_link_tcp_new(fd, h.rank, c->desc[h.rank]);
         if (c->links[h.rank] == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
         need--;
@@ -174,7 +213,8 @@ static ddp_status accept_peers(ddp_comm *c, int lfd, uint64_t tag, ddp_wait w) {
     return DDP_OK;
 }
 
-static ddp_status connect_peers(ddp_comm *c, uint64_t tag, ddp_wait w) {
+static ddp_status connect_peers(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                                uint64_t tag, const ddp_auth *auth, ddp_wait w) {
     char addr[DDP_ADDR_MAX], port[32];
     for (int r = 0; r < c->rank; r++) {
         field(c->lines[r], "addr", addr, sizeof addr);
@@ -183,11 +223,20 @@ static ddp_status connect_peers(ddp_comm *c, uint64_t tag, ddp_wait w) {
         ddp_status st = ddp_sock_connect(addr, atoi(port), w, &fd);
         if (st != DDP_OK)
             return ddp_error_prefix(st, "rank %d connecting to rank %d: ", c->rank, r);
-        hello h = {HELLO_MAGIC, DDP_WIRE_VERSION, tag, c->rank, c->size};
+        hello h = {HELLO_MAGIC, DDP_WIRE_VERSION, tag, c->rank, c->size,
+                   auth ? DDP_HELLO_HAS_TOKEN : 0u};
         unsigned char raw[HELLO_BYTES];
-        hello_encode(&h, raw);
+        char purpose[128];
+        ddp_hello_encode(&h, raw);
+        ddp_hello_purpose(tag, c->rank, r, c->size, purpose, sizeof purpose);
         st = ddp_sock_send_all(fd, raw, sizeof raw, w, c->desc[r]);
-        if (st != DDP_OK) { close(fd); return st; }
+        if (st == DDP_OK) st = ddp_hello_connect(fd, auth, purpose, w, c->desc[r]);
+        if (st != DDP_OK) {
+            close(fd);
+            ddp_error_prefix(st, "rank %d connecting to rank %d: ", c->rank, r);
+            if (st == DDP_ERR_AUTH) ddp_auth_announce(store, cfg->prefix, ddp_last_error());
+            return st;
+        }
         c->links[r] = ddp_link_tcp_new(fd, r, c->desc[r]);
         if (c->links[r] == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");  /* fd closed */
     }
@@ -201,11 +250,18 @@ ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store
     ddp_status st;
     int lfd = -1, port = 0;
     ddp_wait w = ddp_wait_for(cfg->timeout_ms, cfg->abort);
+    /* Rejections noted a little before this rendezvous count too: a rank with
+     * another token may have been turned away by this process's store server
+     * before rendezvous began. */
+    int64_t t0 = ddp_now_ms() - 30000;
+    const ddp_auth *auth = NULL;
+    st = ddp_auth_get(&auth);   /* a bad token file or no libcrypto fails here */
+    if (st != DDP_OK) return ddp_error_prefix(st, "rank %d: ", c->rank);
     if (cfg->size > 1) {
         st = ddp_sock_listen(cfg->bind_host, 0, cfg->port_lo, cfg->port_hi, &lfd, &port);
         if (st != DDP_OK) return ddp_error_prefix(st, "rank %d opening its data port: ", c->rank);
     }
-    DDP_CHECK(exchange_lines(c, cfg, store, port, w), fail);
+    DDP_CHECK(exchange_lines(c, cfg, store, port, w, t0), fail);
     DDP_CHECK(check_versions(c), fail);
     for (int r = 0; r < c->size; r++) {
         char addr[DDP_ADDR_MAX], p[32], hp[DDP_ADDR_MAX + 40], host[512];
@@ -219,8 +275,8 @@ ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store
         sprintf(c->desc[r], "rank %d (%s)", r, hp);
     }
     uint64_t tag = ddp_comm_hash(cfg->prefix);
-    DDP_CHECK(connect_peers(c, tag, w), fail);
-    DDP_CHECK(accept_peers(c, lfd, tag, w), fail);
+    DDP_CHECK(connect_peers(c, cfg, store, tag, auth, w), fail);
+    DDP_CHECK(accept_peers(c, cfg, store, lfd, tag, auth, w, t0), fail);
     if (lfd >= 0) { close(lfd); lfd = -1; }
     DDP_CHECK(ddp_comm_upgrade_links(c, w), fail);
     return DDP_OK;

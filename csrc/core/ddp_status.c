@@ -26,6 +26,7 @@ const char *ddp_status_name(ddp_status st) {
     case DDP_ERR_UNAVAILABLE: return "DDP_ERR_UNAVAILABLE";
     case DDP_ERR_INTERNAL: return "DDP_ERR_INTERNAL";
     case DDP_ERR_STORE: return "DDP_ERR_STORE";
+    case DDP_ERR_AUTH: return "DDP_ERR_AUTH";
     }
     return "DDP_ERR_UNKNOWN";
 }

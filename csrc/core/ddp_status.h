@@ -27,9 +27,10 @@ typedef enum ddp_status {
     DDP_ERR_SYS,         /* other operating-system error */
     DDP_ERR_UNAVAILABLE, /* optional library (NCCL, CUDA) could not be loaded */
     DDP_ERR_INTERNAL,    /* a bug in pyddp */
-    DDP_ERR_STORE        /* a store request failed: garbage reply, connection lost,
+    DDP_ERR_STORE,       /* a store request failed: garbage reply, connection lost,
                             client closed (DistStoreError); store timeouts stay
                             DDP_ERR_TIMEOUT */
+    DDP_ERR_AUTH         /* a peer failed the PYDDP_AUTH_TOKEN handshake (AuthenticationError) */
 } ddp_status;
 
 /* Short constant name of a status, e.g. "DDP_ERR_TIMEOUT". */

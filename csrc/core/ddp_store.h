@@ -35,8 +35,27 @@ enum ddp_store_query {
     DDP_Q_VALIDATE = 0, DDP_Q_SET = 1, DDP_Q_COMPARE_SET = 2, DDP_Q_GET = 3,
     DDP_Q_ADD = 4, DDP_Q_CHECK = 5, DDP_Q_WAIT = 6, DDP_Q_GETNUMKEYS = 7,
     DDP_Q_DELETE_KEY = 8, DDP_Q_APPEND = 9, DDP_Q_MULTI_GET = 10,
-    DDP_Q_MULTI_SET = 11, DDP_Q_CANCEL_WAIT = 12, DDP_Q_PING = 13
+    DDP_Q_MULTI_SET = 11, DDP_Q_CANCEL_WAIT = 12, DDP_Q_PING = 13,
+    /* pyddp's own, never sent to torch's servers: the PYDDP_AUTH_TOKEN
+     * handshake that opens a connection to a pyddp server with a token. */
+    DDP_Q_AUTH = 0x70
 };
+
+/* The authentication exchange (docs/security.md): the client sends
+ * u8 DDP_Q_AUTH, u32 DDP_STORE_AUTH_MAGIC, a 32-byte nonce; the server
+ * answers u8 0, its nonce and its proof (or u8 1: it has no token, and
+ * closes); the client checks the proof and sends its own. Only then may
+ * VALIDATE follow. The purpose both prove is DDP_STORE_AUTH_PURPOSE. */
+#define DDP_STORE_AUTH_MAGIC 0x50444441u
+#define DDP_STORE_AUTH_PURPOSE "pyddp store"
+#define DDP_STORE_AUTH_HELLO 37   /* query byte, magic, nonce */
+
+/* Whether the client authenticates (only meaningful with a token set):
+ * OFF never (torch's server, e.g. torchrun's agent store); REQUIRE always
+ * (a server that cannot is an error); AUTO tries and, when the server
+ * closes the connection at the request as torch's servers do, reconnects
+ * without. */
+enum { DDP_STORE_AUTH_OFF = 0, DDP_STORE_AUTH_REQUIRE = 1, DDP_STORE_AUTH_AUTO = 2 };
 
 typedef struct ddp_store ddp_store;
 
@@ -45,6 +64,12 @@ typedef struct ddp_store ddp_store;
  * ddp_store_release); on failure *out is NULL and nothing is left open. */
 ddp_status ddp_store_connect(const char *host, int port, ddp_wait w,
                              ddp_store **out);
+/* The same with an authentication mode (ddp_store_connect uses AUTO) and
+ * key (NULL: the process's token, ddp_auth_get). DDP_ERR_AUTH when the
+ * server fails the handshake or tokens differ. */
+struct ddp_auth;
+ddp_status ddp_store_connect_auth(const char *host, int port, int mode,
+                                  const struct ddp_auth *key, ddp_wait w, ddp_store **out);
 /* Take one more reference (thread-safe; s must be alive, i.e. the caller
  * holds a reference or knows a holder keeps it alive meanwhile). */
 void ddp_store_retain(ddp_store *s);

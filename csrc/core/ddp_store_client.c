@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ddp_auth.h"
 #include "ddp_sock.h"
 #include "ddp_store_wire.h"
 
@@ -167,9 +168,57 @@ static ddp_status check_sizes(size_t klen, size_t vlen) {
     return DDP_OK;
 }
 
+/* The client's side of the authentication exchange (ddp_store.h) on a
+ * fresh connection. DDP_OK; DDP_ERR_CLOSED if the server closed it without
+ * answering (torch's server: the caller decides); DDP_ERR_AUTH with the
+ * reason otherwise. */
+static ddp_status authenticate(ddp_store *s, const ddp_auth *a, ddp_wait w) {
+    unsigned char req[DDP_STORE_AUTH_HELLO], rep[1 + DDP_AUTH_NONCE + DDP_AUTH_MAC],
+        want[DDP_AUTH_MAC];
+    req[0] = DDP_Q_AUTH;
+    uint32_t magic = DDP_STORE_AUTH_MAGIC;
+    memcpy(req + 1, &magic, 4);   /* host order, like the rest of the store protocol */
+    ddp_status st = ddp_auth_nonce(req + 5);
+    if (st != DDP_OK) return st;
+    st = ddp_sock_send_all(s->fd, req, sizeof req, w, s->peer);
+    if (st == DDP_OK) st = ddp_sock_recv_all(s->fd, rep, 1, w, s->peer);
+    if (st != DDP_OK) return st;
+    if (rep[0] == 1)
+        return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it is "
+                         "pyddp's without PYDDP_AUTH_TOKEN, and this process has one. Set the "
+                         "same token on every node.", s->peer);
+    if (rep[0] != 0)
+        return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
+                         "answered %u", s->peer, rep[0]);
+    st = ddp_sock_recv_all(s->fd, rep + 1, sizeof rep - 1, w, s->peer);
+    if (st == DDP_ERR_CLOSED || st == DDP_ERR_SYS)
+        return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
+                         "closed the connection during the exchange", s->peer);
+    if (st != DDP_OK) return st;
+    st = ddp_auth_proof(a, "responder", DDP_STORE_AUTH_PURPOSE, req + 5, rep + 1, want);
+    if (st != DDP_OK) return st;
+    if (!ddp_auth_equal(want, rep + 1 + DDP_AUTH_NONCE, DDP_AUTH_MAC))
+        return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: its "
+                         "proof does not match this process's PYDDP_AUTH_TOKEN (a different "
+                         "token, or not the job's store)", s->peer);
+    st = ddp_auth_proof(a, "initiator", DDP_STORE_AUTH_PURPOSE, req + 5, rep + 1, want);
+    if (st == DDP_OK) st = ddp_sock_send_all(s->fd, want, sizeof want, w, s->peer);
+    return st;
+}
+
 ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store **out) {
+    return ddp_store_connect_auth(host, port, DDP_STORE_AUTH_AUTO, NULL, w, out);
+}
+
+ddp_status ddp_store_connect_auth(const char *host, int port, int mode,
+                                  const ddp_auth *key, ddp_wait w, ddp_store **out) {
     ddp_status st;
     *out = NULL;
+    if (key == NULL && mode != DDP_STORE_AUTH_OFF) {
+        st = ddp_auth_get(&key);
+        if (st != DDP_OK) return st;
+    }
+    if (mode == DDP_STORE_AUTH_OFF) key = NULL;
     ddp_store *s = calloc(1, sizeof *s);
     if (s == NULL) return ddp_error(DDP_ERR_NOMEM, "store connect: out of memory");
     ddp_sock_format_hostport(host, port, s->peer, sizeof s->peer);
@@ -177,7 +226,22 @@ ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store *
     atomic_init(&s->refs, 1);
     atomic_init(&s->closed, 0);
     pthread_mutex_init(&s->mu, NULL);
+again:
     DDP_CHECK(ddp_sock_connect(host, port, w, &s->fd), fail_noconn);
+    if (key != NULL) {
+        st = authenticate(s, key, w);
+        if (st == DDP_ERR_CLOSED && mode == DDP_STORE_AUTH_AUTO) {
+            close(s->fd);   /* torch's server: it cannot authenticate */
+            key = NULL;
+            goto again;
+        }
+        if (st == DDP_ERR_CLOSED)
+            st = ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
+                           "closed the connection at the authentication request, so it is "
+                           "not a pyddp store with PYDDP_AUTH_TOKEN set (torch's TCPStore "
+                           "cannot authenticate; see docs/security.md)", s->peer);
+        if (st != DDP_OK) goto fail;
+    }
     uint32_t nonce = (uint32_t)ddp_now_us() ^ (uint32_t)getpid(), echo = 0;
     DDP_CHECK(begin(s, w, DDP_Q_VALIDATE), fail);
     ddp_wbuf_u32(&s->req, DDP_STORE_MAGIC);
@@ -185,13 +249,21 @@ ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store *
     ddp_wbuf_u32(&s->req, nonce);
     st = send_req(s, w);
     if (st == DDP_OK) st = recv_exact(s, &echo, sizeof echo, w);
+    if (st == DDP_OK && echo == DDP_STORE_AUTH_MAGIC && echo != nonce)
+        st = ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
+                       "requires PYDDP_AUTH_TOKEN and this process has none. Set the same "
+                       "token on every node.", s->peer);
     if (st == DDP_OK && echo != nonce)
         st = ddp_error(DDP_ERR_PROTOCOL, "handshake reply did not echo the ping");
     /* Garbage means the port is some other service: a store error. A closed or
      * reset connection stays a network error (the caller may retry). */
     if (st == DDP_ERR_PROTOCOL) st = DDP_ERR_STORE;
     pthread_mutex_unlock(&s->mu);
+    if (st == DDP_ERR_AUTH) goto fail;
     if (st != DDP_OK) {
+        if (st == DDP_ERR_CLOSED && key == NULL)
+            ddp_error_prefix(st, "(if that store requires authentication, set the same "
+                             "PYDDP_AUTH_TOKEN here) ");
         ddp_error_prefix(st, "store handshake with %s failed (is MASTER_PORT the "
                          "store's port and not another service's?): ", s->peer);
         goto fail;

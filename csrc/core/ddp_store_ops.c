@@ -5,8 +5,9 @@
  * Semantics follow torch's TCPStore (docs/design.md, "The store protocol"): ADD keeps
  * ASCII decimal text, COMPARE_SET's three cases, WAIT answered at once or
  * when every key exists, CANCEL_WAIT always answered with WAIT_CANCELED. A
- * request is first "measured" without side effects, so a half-arrived
- * request is never half-applied.
+ * request is first framed without side effects (ddp_store_scan.h), so a
+ * half-arrived request is never half-applied; WAITs are woken through the
+ * waiter index (ddp_store_waiters.h).
  */
 #include "ddp_store_server_int.h"
 
@@ -32,79 +33,28 @@ static uint64_t read_count(ddp_rcur *r) {
     return n;
 }
 
-/* Walk the request body of query q without acting. 1 if complete, 0 if
- * more bytes are needed, -1 if it can never be valid. */
-static int measure(ddp_rcur *r, uint8_t q) {
-    bytes s;
-    size_t l;
-    uint32_t u32;
-    uint64_t u64, n;
-    switch (q) {
-    case DDP_Q_VALIDATE: case DDP_Q_PING:
-        ddp_rcur_u32(r, &u32);
-        break;
-    case DDP_Q_SET: case DDP_Q_APPEND:
-        read_key(r, &s, &l);
-        read_val(r, &s, &l);
-        break;
-    case DDP_Q_COMPARE_SET:
-        read_key(r, &s, &l);
-        read_val(r, &s, &l);
-        read_val(r, &s, &l);
-        break;
-    case DDP_Q_GET: case DDP_Q_DELETE_KEY:
-        read_key(r, &s, &l);
-        break;
-    case DDP_Q_ADD:
-        read_key(r, &s, &l);
-        ddp_rcur_u64(r, &u64);
-        break;
-    case DDP_Q_CHECK: case DDP_Q_WAIT: case DDP_Q_MULTI_GET:
-        n = read_count(r);
-        for (uint64_t i = 0; i < n && !r->more && !r->bad; i++) read_key(r, &s, &l);
-        break;
-    case DDP_Q_MULTI_SET:
-        n = read_count(r);
-        for (uint64_t i = 0; i < n && !r->more && !r->bad; i++) {
-            read_key(r, &s, &l);
-            read_val(r, &s, &l);
-        }
-        break;
-    case DDP_Q_GETNUMKEYS: case DDP_Q_CANCEL_WAIT:
-        break;
-    default:
-        return -1;   /* unknown query: nothing after it can be framed */
+void ddp_store_conn_clear_wait(ddp_store_server *srv, ddp_store_conn *c) {
+    ddp_waitmap_remove_list(&srv->waiters, &c->waits);
+    c->waiting = 0;
+    c->missing = 0;
+}
+
+static ddp_waiter **waits_of(void *conn) { return &((ddp_store_conn *)conn)->waits; }
+
+/* A key conn waited for was written: answer once the last one has been. */
+static void key_arrived(void *conn, void *arg) {
+    (void)arg;
+    ddp_store_conn *c = conn;
+    if (c->missing > 0 && --c->missing == 0) {
+        ddp_wbuf_u8(&c->out, DDP_WAIT_STOP_WAITING);
+        c->waiting = 0;
     }
-    return r->bad ? -1 : r->more ? 0 : 1;
 }
 
-void ddp_store_conn_clear_wait(ddp_store_conn *c) {
-    for (size_t i = 0; i < c->nwait; i++) free(c->wkeys[i]);
-    free(c->wkeys);
-    free(c->wklens);
-    c->wkeys = NULL;
-    c->wklens = NULL;
-    c->nwait = 0;
-}
-
-static int has_all(const ddp_store_server *srv, const ddp_store_conn *c) {
-    for (size_t i = 0; i < c->nwait; i++)
-        if (ddp_kvmap_find(&srv->map, c->wkeys[i], c->wklens[i]) == NULL) return 0;
-    return 1;
-}
-
-/* Key k was written: answer every WAIT that names it and is now complete. */
+/* Key k was written: wake the WAITs that named it (only those: the index
+ * is by key). */
 static void wake(ddp_store_server *srv, bytes k, size_t kl) {
-    for (size_t i = 0; i < srv->nconns; i++) {
-        ddp_store_conn *c = srv->conns[i];
-        int names_k = 0;
-        for (size_t j = 0; j < c->nwait && !names_k; j++)
-            names_k = c->wklens[j] == kl && (kl == 0 || memcmp(c->wkeys[j], k, kl) == 0);
-        if (names_k && has_all(srv, c)) {
-            ddp_wbuf_u8(&c->out, DDP_WAIT_STOP_WAITING);
-            ddp_store_conn_clear_wait(c);
-        }
-    }
+    ddp_waitmap_fire(&srv->waiters, k, kl, waits_of, key_arrived, NULL);
 }
 
 /* Set k to v and wake its waiters. -1 if out of memory. */
@@ -190,17 +140,16 @@ static int op_keys(ddp_store_server *srv, ddp_store_conn *c, ddp_rcur *r, uint8_
         ddp_wbuf_u8(&c->out, DDP_WAIT_STOP_WAITING);
         return 0;
     }
-    if (c->nwait != 0) return -1;   /* a second outstanding WAIT: protocol misuse */
-    c->wkeys = calloc(n, sizeof *c->wkeys);
-    c->wklens = calloc(n, sizeof *c->wklens);
-    if (c->wkeys == NULL || c->wklens == NULL) return -1;
+    if (c->waiting) return -1;   /* a second outstanding WAIT: protocol misuse */
+    c->waiting = 1;
     r->off = body;
-    for (uint64_t i = 0; i < n; i++, c->nwait++) {
+    for (uint64_t i = 0; i < n; i++) {
         bytes k;
-        read_key(r, &k, &c->wklens[i]);
-        c->wkeys[i] = malloc(c->wklens[i] ? c->wklens[i] : 1);
-        if (c->wkeys[i] == NULL) return -1;
-        memcpy(c->wkeys[i], k, c->wklens[i]);
+        size_t kl;
+        read_key(r, &k, &kl);
+        if (ddp_kvmap_find(&srv->map, k, kl) != NULL) continue;
+        if (ddp_waitmap_add(&srv->waiters, k, kl, c, &c->waits) < 0) return -1;
+        c->missing++;
     }
     return 0;
 }
@@ -262,7 +211,7 @@ static int run(ddp_store_server *srv, ddp_store_conn *c, ddp_rcur *r, uint8_t q)
     case DDP_Q_CANCEL_WAIT:
         /* Answer even if the WAIT already completed: the client then reads
          * STOP_WAITING followed by WAIT_CANCELED. */
-        ddp_store_conn_clear_wait(c);
+        ddp_store_conn_clear_wait(srv, c);
         ddp_wbuf_u8(&c->out, DDP_WAIT_CANCELED);
         return 0;
     }
@@ -272,13 +221,12 @@ static int run(ddp_store_server *srv, ddp_store_conn *c, ddp_rcur *r, uint8_t q)
 int ddp_store_handle(ddp_store_server *srv, ddp_store_conn *c, const unsigned char *p,
                      size_t n, size_t *used) {
     ddp_rcur r;
-    uint8_t q;
-    ddp_rcur_init(&r, p, n);
-    if (ddp_rcur_u8(&r, &q) < 0) return 0;
-    if (!c->validated && q != DDP_Q_VALIDATE) return -1;
-    int m = measure(&r, q);
+    if (n > 0 && !c->validated && p[0] != DDP_Q_VALIDATE) return -1;
+    int m = ddp_store_scan_step(&c->scan, p, n);
     if (m <= 0) return m;
-    *used = r.off;
+    uint8_t q = c->scan.q;
+    *used = c->scan.off;
+    ddp_store_scan_reset(&c->scan);
     ddp_rcur_init(&r, p + 1, *used - 1);
     return run(srv, c, &r, q) < 0 ? -1 : 1;
 }

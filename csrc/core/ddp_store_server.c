@@ -8,16 +8,29 @@
  * closes that one connection; the server keeps serving the others. A client
  * that does not read its replies is back-pressured (its requests are not
  * parsed while too much output is queued for it).
+ *
+ * With PYDDP_AUTH_TOKEN set, a connection must first pass the token
+ * handshake (ddp_store.h): until it has, only the bytes of the handshake's
+ * next step are read from it, and anything else closes it (logged once per
+ * host). Memory and time are bounded against clients that stall: input
+ * buffers above a small size count against one global budget
+ * (PYDDP_STORE_BUFFER_BYTES), a request may stay incomplete for at most
+ * PYDDP_STORE_REQUEST_TIMEOUT, and a connection must complete its first
+ * request (the handshake and VALIDATE) within FIRST_REQUEST_MS; a
+ * connection over any of these is closed, everyone else keeps being served.
  */
 #include "ddp_store_server_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "ddp_hello.h"
+#include "ddp_settings.h"
 #include "ddp_sock.h"
 
 #define READ_CHUNK ((size_t)64 << 10)
@@ -25,14 +38,22 @@
 #define OUT_HIGH_WATER ((size_t)4 << 20)  /* stop parsing while this much is queued */
 #define MAX_BUFFERED ((size_t)256 << 20)  /* one request may not exceed this */
 #define ACCEPTS_PER_ROUND 64
+#define FIRST_REQUEST_MS 5000
+#define SMALL_BUF ((size_t)128 << 10)     /* input buffers this small are not counted */
+
+/* Bytes of c's input buffer that count against the budget. */
+static size_t counted(const ddp_store_conn *c) {
+    return c->in.cap > SMALL_BUF ? c->in.cap : 0;
+}
 
 /* Close and free one connection (its pending WAIT goes with it). */
-static void conn_free(ddp_store_conn *c) {
+static void conn_free(ddp_store_server *srv, ddp_store_conn *c) {
     if (c == NULL) return;
+    srv->held -= counted(c);
     if (c->fd >= 0) close(c->fd);
     ddp_wbuf_free(&c->in);
     ddp_wbuf_free(&c->out);
-    ddp_store_conn_clear_wait(c);
+    ddp_store_conn_clear_wait(srv, c);
     free(c);
 }
 
@@ -55,6 +76,9 @@ static void accept_new(ddp_store_server *srv) {
             return;
         }
         c->fd = fd;
+        c->opened_ms = ddp_now_ms();
+        ddp_auth_peer_name(fd, c->addr, sizeof c->addr);
+        c->authed = !srv->has_key;
         ddp_wbuf_init(&c->in);
         ddp_wbuf_init(&c->out);
         srv->conns[srv->nconns++] = c;
@@ -74,14 +98,30 @@ int ddp_store_grow_conns(ddp_store_server *srv) {
 }
 
 /* Read what the connection has (up to a budget, for fairness). Returns 0,
- * or -1 if the peer closed/reset or sent more than one request may hold;
- * bytes already buffered are still parsed by the caller in either case. */
-static int conn_read(ddp_store_conn *c) {
+ * or -1 if the peer closed/reset, sent more than one request may hold, or
+ * would take the server over its memory budget; bytes already buffered are
+ * still parsed by the caller in either case. Before a connection has
+ * authenticated, only the bytes of the handshake's current step are read. */
+static int conn_read(ddp_store_server *srv, ddp_store_conn *c) {
     size_t total = 0;
     while (total < READ_BUDGET) {
         if (ddp_wbuf_size(&c->in) > MAX_BUFFERED) return -1;
-        if (ddp_wbuf_reserve(&c->in, READ_CHUNK) < 0) return -1;
+        size_t before = counted(c);
+        int r = ddp_wbuf_reserve(&c->in, READ_CHUNK);
+        srv->held += counted(c) - before;
+        if (r < 0) return -1;
+        if (srv->held > srv->budget) {
+            ddp_auth_log_reject("a store request", c->addr, "the store's budget for "
+                                "incomplete requests (PYDDP_STORE_BUFFER_BYTES) is used up");
+            return -1;
+        }
         size_t room = c->in.cap - c->in.len, got = 0;
+        if (!c->authed) {   /* the handshake's next step, not a byte more */
+            size_t want = c->auth_stage == 0 ? DDP_STORE_AUTH_HELLO : DDP_AUTH_MAC;
+            size_t have = ddp_wbuf_size(&c->in);
+            if (have >= want) break;
+            if (room > want - have) room = want - have;
+        }
         ddp_status st = ddp_sock_recv_some(c->fd, c->in.p + c->in.len, room, &got);
         c->in.len += got;
         total += got;
@@ -89,20 +129,6 @@ static int conn_read(ddp_store_conn *c) {
         if (got < room) break;   /* the socket is drained for now */
     }
     return 0;
-}
-
-/* Parse and run every complete request in c's input. Returns -1 if the
- * connection must be dropped (bad request or out of memory). */
-static int conn_process(ddp_store_server *srv, ddp_store_conn *c) {
-    while (ddp_wbuf_size(&c->out) < OUT_HIGH_WATER && ddp_wbuf_size(&c->in) > 0) {
-        size_t used = 0;
-        int r = ddp_store_handle(srv, c, ddp_wbuf_data(&c->in), ddp_wbuf_size(&c->in),
-                                 &used);
-        if (r < 0) return -1;
-        if (r == 0) break;   /* incomplete: wait for more bytes */
-        ddp_wbuf_consume(&c->in, used);
-    }
-    return c->out.oom ? -1 : 0;
 }
 
 /* Send as much queued output as the socket takes. -1 if the peer is gone. */
@@ -115,16 +141,124 @@ static int conn_flush(ddp_store_conn *c) {
     return st == DDP_OK ? 0 : -1;
 }
 
+/* Log and note a connection that failed authentication; returns -1. */
+static int auth_reject(ddp_store_conn *c, const char *why, int note) {
+    char msg[600];
+    const char *addr = c->addr;
+    ddp_auth_log_reject("a store connection", addr, why);
+    if (note) {   /* looks like a rank with another token: rendezvous watches for it */
+        snprintf(msg, sizeof msg, "authentication failed: the store rejected a connection "
+                 "from %s (%s)", addr, why);
+        ddp_auth_note_reject(msg);
+    }
+    return -1;
+}
+
+/* The server's side of the token handshake (ddp_store.h). 1: authenticated
+ * (go on parsing), 0: wait for more bytes, -1: drop the connection. */
+static int conn_auth(ddp_store_server *srv, ddp_store_conn *c) {
+    const unsigned char *p = ddp_wbuf_data(&c->in);
+    size_t n = ddp_wbuf_size(&c->in);
+    if (c->auth_stage == 0) {
+        if (n == 0) return 0;
+        if (p[0] == DDP_Q_VALIDATE) {
+            /* Where a PING's echo would be, a marker a pyddp client without the
+             * token recognises (torch's reads a wrong echo): a clear error there. */
+            ddp_wbuf_u32(&c->out, DDP_STORE_AUTH_MAGIC);
+            conn_flush(c);
+            return auth_reject(c, "no PYDDP_AUTH_TOKEN handshake (a client without the "
+                               "token, or torch's)", 1);
+        }
+        if (p[0] != DDP_Q_AUTH) return auth_reject(c, "garbage before authenticating", 0);
+        if (n < DDP_STORE_AUTH_HELLO) return 0;
+        uint32_t magic;
+        memcpy(&magic, p + 1, 4);
+        if (magic != DDP_STORE_AUTH_MAGIC) return auth_reject(c, "a malformed challenge", 0);
+        memcpy(c->nc, p + 5, DDP_AUTH_NONCE);
+        unsigned char mac[DDP_AUTH_MAC];
+        if (ddp_auth_nonce(c->ns) != DDP_OK ||
+            ddp_auth_proof(&srv->key, "responder", DDP_STORE_AUTH_PURPOSE, c->nc, c->ns,
+                           mac) != DDP_OK)
+            return -1;
+        ddp_wbuf_u8(&c->out, 0);
+        ddp_wbuf_raw(&c->out, c->ns, DDP_AUTH_NONCE);
+        ddp_wbuf_raw(&c->out, mac, DDP_AUTH_MAC);
+        ddp_wbuf_consume(&c->in, DDP_STORE_AUTH_HELLO);
+        c->auth_stage = 1;
+        return 0;
+    }
+    if (n < DDP_AUTH_MAC) return 0;
+    unsigned char want[DDP_AUTH_MAC];
+    if (ddp_auth_proof(&srv->key, "initiator", DDP_STORE_AUTH_PURPOSE, c->nc, c->ns,
+                       want) != DDP_OK)
+        return -1;
+    if (!ddp_auth_equal(want, p, DDP_AUTH_MAC))
+        return auth_reject(c, "a wrong PYDDP_AUTH_TOKEN proof", 1);
+    ddp_wbuf_consume(&c->in, DDP_AUTH_MAC);
+    c->authed = 1;
+    return 1;
+}
+
+/* Parse and run every complete request in c's input. Returns -1 if the
+ * connection must be dropped (bad request or out of memory). */
+static int conn_process(ddp_store_server *srv, ddp_store_conn *c) {
+    if (!srv->has_key && !c->validated && ddp_wbuf_size(&c->in) > 0 &&
+        ddp_wbuf_data(&c->in)[0] == DDP_Q_AUTH) {
+        /* A client with a token, a server without: say so before closing. */
+        ddp_wbuf_u8(&c->out, 1);
+        conn_flush(c);
+        return auth_reject(c, "it has PYDDP_AUTH_TOKEN set and this store has none", 1);
+    }
+    if (!c->authed) {
+        int a = conn_auth(srv, c);
+        if (a <= 0) return a < 0 || c->out.oom ? -1 : 0;
+    }
+    int progress = 0;
+    while (ddp_wbuf_size(&c->out) < OUT_HIGH_WATER && ddp_wbuf_size(&c->in) > 0) {
+        size_t used = 0;
+        if (ddp_wbuf_size(&c->in) < c->scan.need) break;   /* nothing new to frame */
+        int r = ddp_store_handle(srv, c, ddp_wbuf_data(&c->in), ddp_wbuf_size(&c->in),
+                                 &used);
+        if (r < 0) return -1;
+        if (r == 0) break;   /* incomplete: wait for more bytes */
+        ddp_wbuf_consume(&c->in, used);
+        progress = 1;
+    }
+    if (ddp_wbuf_size(&c->in) == 0) {
+        c->partial_ms = 0;
+        if (counted(c) > 0) {   /* give a large buffer back to the budget */
+            srv->held -= counted(c);
+            ddp_wbuf_free(&c->in);
+        }
+    } else if (progress || c->partial_ms == 0) {
+        c->partial_ms = ddp_now_ms();
+    }
+    return c->out.oom ? -1 : 0;
+}
+
 /* Free dropped connections and close the gaps in the array. */
 static void reap(ddp_store_server *srv) {
     size_t j = 0;
     for (size_t i = 0; i < srv->nconns; i++) {
         if (srv->conns[i]->dead)
-            conn_free(srv->conns[i]);
+            conn_free(srv, srv->conns[i]);
         else
             srv->conns[j++] = srv->conns[i];
     }
     srv->nconns = j;
+}
+
+/* 1 if c has held an incomplete request, or not finished its first one,
+ * for too long (logged once per host). */
+static int conn_overdue(ddp_store_server *srv, ddp_store_conn *c, int64_t now) {
+    const char *why = NULL;
+    if (!c->validated && now - c->opened_ms > FIRST_REQUEST_MS)
+        why = "its first request did not complete within 5 s of connecting";
+    else if (c->partial_ms != 0 && now - c->partial_ms > srv->request_timeout_ms)
+        why = "a request stayed incomplete longer than PYDDP_STORE_REQUEST_TIMEOUT";
+    if (why == NULL) return 0;
+    ddp_auth_log_reject("a store connection", c->addr, why);
+    return 1;
 }
 
 /* One poll round: wait up to a slice, accept, read, run requests, flush. */
@@ -149,11 +283,15 @@ static void serve_round(ddp_store_server *srv) {
         ddp_store_conn *c = srv->conns[i];
         short re = srv->pfds[i + 2].revents;
         int gone = 0;
-        if (re & (POLLIN | POLLHUP | POLLERR)) gone = conn_read(c) < 0;
+        if (re & (POLLIN | POLLHUP | POLLERR)) gone = conn_read(srv, c) < 0;
         /* Requests that fully arrived before a disconnect still take effect,
          * and a client that only half-closed still gets their replies. */
         if (conn_process(srv, c) < 0 || gone) c->dead = 1;
+        if (gone && !c->authed && c->auth_stage == 1)   /* it saw our proof and left */
+            auth_reject(c, "it closed the connection after the server's proof (a different "
+                        "PYDDP_AUTH_TOKEN)", 1);
         if (gone) conn_flush(c);
+        if (!c->dead && conn_overdue(srv, c, ddp_now_ms())) c->dead = 1;
     }
     if (srv->pfds[1].revents) accept_new(srv);
     /* Flush everyone: a SET from one client may have woken another's WAIT. */
@@ -186,7 +324,21 @@ ddp_status ddp_store_server_start(const char *bind_host, int port,
     if (srv == NULL) return ddp_error(DDP_ERR_NOMEM, "store server: out of memory");
     srv->lfd = srv->wake[0] = srv->wake[1] = -1;
     atomic_init(&srv->stop, 0);
-    if (ddp_kvmap_init(&srv->map) < 0 || ddp_store_grow_conns(srv) < 0) {
+    const ddp_auth *key = NULL;
+    st = ddp_auth_get(&key);   /* a bad token file or no libcrypto fails the start */
+    if (st != DDP_OK) {
+        free(srv);
+        return ddp_error_prefix(st, "store server: ");
+    }
+    if (key != NULL) {
+        srv->key = *key;
+        srv->has_key = 1;
+    }
+    srv->budget = (size_t)ddp_setting_int("PYDDP_STORE_BUFFER_BYTES");
+    srv->request_timeout_ms = (int64_t)(ddp_setting_seconds("PYDDP_STORE_REQUEST_TIMEOUT") *
+                                        1000.0);
+    if (ddp_kvmap_init(&srv->map) < 0 || ddp_waitmap_init(&srv->waiters) < 0 ||
+        ddp_store_grow_conns(srv) < 0) {
         st = ddp_error(DDP_ERR_NOMEM, "store server: out of memory");
         goto fail;
     }
@@ -211,6 +363,7 @@ fail:
     for (int i = 0; i < 2; i++)
         if (srv->wake[i] >= 0) close(srv->wake[i]);
     ddp_kvmap_free(&srv->map);
+    ddp_waitmap_free(&srv->waiters);
     free(srv->conns);
     free(srv->pfds);
     free(srv);
@@ -223,11 +376,12 @@ void ddp_store_server_stop(ddp_store_server *srv) {
     ssize_t w = write(srv->wake[1], "x", 1);   /* the poll slice bounds it anyway */
     (void)w;
     pthread_join(srv->thread, NULL);
-    for (size_t i = 0; i < srv->nconns; i++) conn_free(srv->conns[i]);
+    for (size_t i = 0; i < srv->nconns; i++) conn_free(srv, srv->conns[i]);
     close(srv->lfd);
     close(srv->wake[0]);
     close(srv->wake[1]);
     ddp_kvmap_free(&srv->map);
+    ddp_waitmap_free(&srv->waiters);
     free(srv->conns);
     free(srv->pfds);
     free(srv);

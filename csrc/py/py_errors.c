@@ -14,6 +14,8 @@
  * torch raises DistStoreError for store timeouts, code written for pyddp
  * catches TimeoutError: DistStoreTimeoutError satisfies both.
  *     VersionMismatchError        ranks run different pyddp versions
+ *     AuthenticationError(PermissionError)  a peer or the store failed the
+ *                                 PYDDP_AUTH_TOKEN handshake (never retried)
  *   DistValueError(ValueError), DistTypeError(TypeError): bad arguments,
  *   raised before any communication.
  * The classes live in static storage because the module is a process-wide
@@ -24,7 +26,7 @@
 static PyObject *DistError, *DistBackendError, *CollectiveMismatchError,
     *BackendUnavailableError, *DistNetworkError, *DistStoreError,
     *DistTimeoutError, *DistStoreTimeoutError, *VersionMismatchError, *DistValueError,
-    *DistTypeError;
+    *DistTypeError, *AuthenticationError;
 
 static PyObject *make_exc(PyObject *m, const char *name, PyObject *bases,
                           const char *doc) {
@@ -53,7 +55,7 @@ int ddp_py_errors_register(PyObject *m) {
         PyObject *all[] = {DistError, DistBackendError, CollectiveMismatchError,
                            BackendUnavailableError, DistNetworkError, DistStoreError,
                            DistTimeoutError, DistStoreTimeoutError, VersionMismatchError,
-                           DistValueError, DistTypeError};
+                           DistValueError, DistTypeError, AuthenticationError};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
             const char *dot = strrchr(((PyTypeObject *)all[i])->tp_name, '.');
             if (PyModule_AddObjectRef(m, dot + 1, all[i]) < 0) return -1;
@@ -86,6 +88,10 @@ int ddp_py_errors_register(PyObject *m) {
          "timeout. Both a DistStoreError (as torch raises) and a TimeoutError.");
     MAKE(VersionMismatchError, "VersionMismatchError", PyTuple_Pack(1, DistError),
          "Ranks run different pyddp or wire-protocol versions.");
+    MAKE(AuthenticationError, "AuthenticationError",
+         PyTuple_Pack(2, DistError, PyExc_PermissionError),
+         "A peer or the store failed the PYDDP_AUTH_TOKEN challenge-response (a "
+         "different token, no token, or not a pyddp process).");
     MAKE(DistValueError, "DistValueError", PyTuple_Pack(1, PyExc_ValueError),
          "An argument was rejected before any communication started.");
     MAKE(DistTypeError, "DistTypeError", PyTuple_Pack(1, PyExc_TypeError),
@@ -104,6 +110,7 @@ PyObject *ddp_py_raise(ddp_status st, const char *msg) {
     case DDP_ERR_CONNECT:
     case DDP_ERR_CLOSED:
     case DDP_ERR_PROTOCOL: cls = DistNetworkError; break;
+    case DDP_ERR_AUTH: cls = AuthenticationError; break;
     case DDP_ERR_MISMATCH: cls = CollectiveMismatchError; break;
     case DDP_ERR_VERSION: cls = VersionMismatchError; break;
     case DDP_ERR_NOMEM: cls = PyExc_MemoryError; break;

@@ -63,7 +63,9 @@ static void call_run(void *p) {
     const char *k = c->key.buf;
     size_t kl = (size_t)c->key.len;
     switch (c->op) {
-    case OP_CONNECT: c->st = ddp_store_connect(c->host, c->port, c->w, &c->s); break;
+    case OP_CONNECT:
+        c->st = ddp_store_connect_auth(c->host, c->port, (int)c->num, NULL, c->w, &c->s);
+        break;
     case OP_SET: c->st = ddp_store_set(c->s, k, kl, c->val.buf, (size_t)c->val.len, c->w); break;
     case OP_APPEND:
         c->st = ddp_store_append(c->s, k, kl, c->val.buf, (size_t)c->val.len, c->w);
@@ -175,12 +177,14 @@ static PyObject *cl_connect(ClientObject *self, PyObject *args) {
     const char *host;
     int port;
     long long timeout_ms;
-    if (!PyArg_ParseTuple(args, "siL:connect", &host, &port, &timeout_ms)) return NULL;
+    int auth = DDP_STORE_AUTH_AUTO;
+    if (!PyArg_ParseTuple(args, "siL|i:connect", &host, &port, &timeout_ms, &auth)) return NULL;
     if (self->s != NULL) return ddp_py_raise(DDP_ERR_INVALID, "StoreClient is already connected");
     call c;
     call_init(&c, OP_CONNECT, timeout_ms);
     c.host = host;
     c.port = port;
+    c.num = auth;
     if (ddp_py_run_abortable(call_run, &c, &c.abort) < 0) {
         ddp_store_close(c.s);
         return NULL;
@@ -319,7 +323,9 @@ static void cl_dealloc(ClientObject *self) {
 
 static PyMethodDef cl_methods[] = {
     {"connect", (PyCFunction)cl_connect, METH_VARARGS,
-     "connect(host, port, timeout_ms): connect, VALIDATE and PING."},
+     "connect(host, port, timeout_ms, auth=2): connect, authenticate when a token is set "
+     "(auth: 0 never, 1 required, 2 try and fall back for torch's servers), VALIDATE and "
+     "PING."},
     {"set", (PyCFunction)cl_set, METH_VARARGS, "set(key, value)"},
     {"get", (PyCFunction)cl_get, METH_VARARGS, "get(key) -> bytes (waits for the key)"},
     {"add", (PyCFunction)cl_add, METH_VARARGS, "add(key, delta) -> int"},

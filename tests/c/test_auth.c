@@ -1,0 +1,393 @@
+/* test_auth.c - PYDDP_AUTH_TOKEN and the store server's bounds, without
+ * Python: HMAC-SHA256 against RFC 4231's known answer; the challenge-
+ * response over a socket pair with equal keys (passes) and different keys
+ * (both sides fail with DDP_ERR_AUTH); the data-link hello's verdicts for
+ * every token/no-token pairing; the store server with a token (right key
+ * served, wrong key and no key refused, a stranger's garbage and forged
+ * VALIDATE/SET dropped, others still served); the request framer fed byte
+ * by byte agreeing with one call on the whole request; the waiter index;
+ * the memory budget under stalled senders; the incomplete-request and
+ * first-request timeouts. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "ddp_auth.h"
+#include "ddp_hello.h"
+#include "ddp_settings.h"
+#include "ddp_sock.h"
+#include "ddp_store.h"
+#include "ddp_store_scan.h"
+#include "ddp_store_server_int.h"
+#include "testutil.h"
+
+#define W(ms) ddp_wait_for(ms, NULL)
+
+static void test_hmac_kat(void) {
+    /* RFC 4231 test case 2 */
+    static const unsigned char want[32] = {
+        0x5b, 0xdc, 0xc1, 0x46, 0xbf, 0x60, 0x75, 0x4e, 0x6a, 0x04, 0x24, 0x26, 0x08, 0x95, 0x75, 0xc7,
+        0x5a, 0x00, 0x3f, 0x08, 0x9d, 0x27, 0x39, 0x83, 0x9d, 0xec, 0x58, 0xb9, 0x64, 0xec, 0x38, 0x43};
+    unsigned char out[32];
+    const char *data = "what do ya want for nothing?";
+    T_OK(ddp_auth_hmac("Jefe", 4, data, strlen(data), out));
+    T_ASSERT(memcmp(out, want, 32) == 0);
+    T_ASSERT(ddp_auth_equal(out, want, 32) && !ddp_auth_equal(out, want + 1, 31));
+    unsigned char n1[32], n2[32];
+    T_OK(ddp_auth_nonce(n1));
+    T_OK(ddp_auth_nonce(n2));
+    T_ASSERT(memcmp(n1, n2, 32) != 0);
+    printf("hmac-sha256 known answer, nonces: ok\n");
+}
+
+typedef struct side {
+    int fd;
+    const ddp_auth *key;
+    int responder;
+    const char *purpose;
+    ddp_status st;
+} side;
+
+static void *run_side(void *p) {
+    side *s = p;
+    s->st = s->responder ? ddp_auth_respond(s->fd, s->key, s->purpose, W(3000), "peer")
+                         : ddp_auth_initiate(s->fd, s->key, s->purpose, W(3000), "peer");
+    if (s->st != DDP_OK) shutdown(s->fd, SHUT_RDWR);   /* as a real caller closes */
+    return NULL;
+}
+
+/* Run both halves over a socket pair; returns the two statuses. */
+static void handshake(const ddp_auth *ki, const ddp_auth *kr, const char *pi,
+                      const char *pr, ddp_status *si, ddp_status *sr) {
+    int sv[2];
+    T_ASSERT(socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv) == 0);
+    side a = {sv[0], ki, 0, pi, DDP_OK}, b = {sv[1], kr, 1, pr, DDP_OK};
+    pthread_t t;
+    T_ASSERT(pthread_create(&t, NULL, run_side, &b) == 0);
+    run_side(&a);
+    pthread_join(t, NULL);
+    close(sv[0]);
+    close(sv[1]);
+    *si = a.st;
+    *sr = b.st;
+}
+
+static void test_handshake(void) {
+    ddp_auth k1, k2;
+    ddp_auth_set(&k1, "token-one", 9);
+    ddp_auth_set(&k2, "token-two", 9);
+    ddp_status si, sr;
+    handshake(&k1, &k1, "p", "p", &si, &sr);
+    T_ASSERT(si == DDP_OK && sr == DDP_OK);
+    handshake(&k1, &k2, "p", "p", &si, &sr);
+    T_ASSERT(si == DDP_ERR_AUTH && sr == DDP_ERR_AUTH);
+    handshake(&k1, &k1, "link 1->0", "link 2->0", &si, &sr);   /* another link's proof */
+    T_ASSERT(si == DDP_ERR_AUTH && sr == DDP_ERR_AUTH);
+    printf("challenge-response: equal keys pass, different keys and purposes fail both: ok\n");
+}
+
+typedef struct hello_side {
+    int fd;
+    const ddp_auth *key;
+    ddp_status st;
+} hello_side;
+
+static void *accept_side(void *p) {
+    hello_side *s = p;
+    unsigned char raw[DDP_HELLO_BYTES];
+    ddp_hello h;
+    s->st = ddp_sock_recv_all(s->fd, raw, sizeof raw, W(3000), "x");
+    ddp_hello_decode(raw, &h);
+    if (s->st == DDP_OK) s->st = ddp_hello_accept(s->fd, &h, s->key, "l", W(3000), "1.2.3.4:5");
+    if (s->st != DDP_OK) shutdown(s->fd, SHUT_RDWR);
+    return NULL;
+}
+
+static void hello_pair(const ddp_auth *kc, const ddp_auth *ka, ddp_status *sc,
+                       ddp_status *sa) {
+    int sv[2];
+    T_ASSERT(socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv) == 0);
+    hello_side acc = {sv[1], ka, DDP_OK};
+    pthread_t t;
+    T_ASSERT(pthread_create(&t, NULL, accept_side, &acc) == 0);
+    ddp_hello h = {DDP_HELLO_MAGIC, 3, 42, 1, 2, kc ? DDP_HELLO_HAS_TOKEN : 0u};
+    unsigned char raw[DDP_HELLO_BYTES], back[DDP_HELLO_BYTES];
+    ddp_hello_encode(&h, raw);
+    ddp_hello d;
+    ddp_hello_decode(raw, &d);
+    ddp_hello_encode(&d, back);
+    T_ASSERT(memcmp(raw, back, sizeof raw) == 0);
+    *sc = ddp_sock_send_all(sv[0], raw, sizeof raw, W(3000), "x");
+    if (*sc == DDP_OK) *sc = ddp_hello_connect(sv[0], kc, "l", W(3000), "rank 0");
+    char msg[512];
+    ddp_copy_error(msg, sizeof msg);
+    if (*sc != DDP_OK) shutdown(sv[0], SHUT_RDWR);
+    pthread_join(t, NULL);
+    ddp_set_error_text(msg);
+    close(sv[0]);
+    close(sv[1]);
+    *sa = acc.st;
+}
+
+static void test_hello(void) {
+    ddp_auth k1, k2;
+    ddp_auth_set(&k1, "a", 1);
+    ddp_auth_set(&k2, "b", 1);
+    ddp_status sc, sa;
+    hello_pair(NULL, NULL, &sc, &sa);
+    T_ASSERT(sc == DDP_OK && sa == DDP_OK);
+    hello_pair(&k1, &k1, &sc, &sa);
+    T_ASSERT(sc == DDP_OK && sa == DDP_OK);
+    hello_pair(&k1, &k2, &sc, &sa);
+    T_ASSERT(sc == DDP_ERR_AUTH && sa == DDP_ERR_AUTH);
+    hello_pair(NULL, &k1, &sc, &sa);
+    T_ASSERT(sc == DDP_ERR_AUTH && strstr(ddp_last_error(), "requires") && sa == DDP_ERR_AUTH);
+    hello_pair(&k1, NULL, &sc, &sa);
+    T_ASSERT(sc == DDP_ERR_AUTH && sa == DDP_ERR_AUTH);
+    printf("hello verdicts for every token pairing: ok\n");
+}
+
+/* ---- store server with a token -------------------------------------- */
+
+static int raw_connect(int port) {
+    int fd;
+    T_OK(ddp_sock_connect("127.0.0.1", port, W(3000), &fd));
+    return fd;
+}
+
+/* 1 if the server closed fd (EOF) within ms, reading and discarding bytes. */
+static int closed_within(int fd, int ms, size_t *got) {
+    unsigned char buf[256];
+    size_t total = 0;
+    ddp_wait w = W(ms);
+    for (;;) {
+        size_t n = 0;
+        ddp_status st = ddp_sock_recv_some(fd, buf, sizeof buf, &n);
+        total += n;
+        if (st != DDP_OK) break;
+        if (ddp_wait_expired(w)) { if (got) *got = total; return 0; }
+        if (n == 0) usleep(10000);
+    }
+    if (got) *got = total;
+    return 1;
+}
+
+static void set_env_token(const char *tok) {
+    if (tok) setenv("PYDDP_AUTH_TOKEN", tok, 1);
+    else unsetenv("PYDDP_AUTH_TOKEN");
+    ddp_settings_reload();
+    ddp_auth_reload();
+}
+
+static void test_store_auth(void) {
+    set_env_token("store-secret");
+    ddp_store_server *srv;
+    int port;
+    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &port));
+    ddp_auth good, bad;
+    ddp_auth_set(&good, "store-secret", 12);
+    ddp_auth_set(&bad, "store-secreT", 12);
+    ddp_store *s;
+    T_OK(ddp_store_connect_auth("127.0.0.1", port, DDP_STORE_AUTH_REQUIRE, &good, W(3000), &s));
+    T_OK(ddp_store_set(s, "k", 1, "v", 1, W(3000)));
+    ddp_store *b = NULL;
+    T_STATUS(ddp_store_connect_auth("127.0.0.1", port, DDP_STORE_AUTH_REQUIRE, &bad, W(3000), &b),
+             DDP_ERR_AUTH);
+    T_ASSERT(strstr(ddp_last_error(), "does not match"));
+    /* no token: VALIDATE first is refused, with a clear error */
+    T_STATUS(ddp_store_connect_auth("127.0.0.1", port, DDP_STORE_AUTH_OFF, NULL, W(3000), &b),
+             DDP_ERR_AUTH);
+    T_ASSERT(strstr(ddp_last_error(), "this process has none"));
+    /* a stranger: forged VALIDATE + SET + PING, garbage, a forged AUTH with a bad proof */
+    int fd = raw_connect(port);
+    unsigned char forged[64];
+    size_t n = 0;
+    forged[n++] = DDP_Q_VALIDATE;
+    uint32_t magic = DDP_STORE_MAGIC;
+    memcpy(forged + n, &magic, 4), n += 4;
+    forged[n++] = DDP_Q_SET;
+    uint64_t one = 1;
+    memcpy(forged + n, &one, 8), n += 8;
+    forged[n++] = 'k';
+    memcpy(forged + n, &one, 8), n += 8;
+    forged[n++] = 'X';
+    forged[n++] = DDP_Q_PING;
+    memcpy(forged + n, &magic, 4), n += 4;
+    T_OK(ddp_sock_send_all(fd, forged, n, W(3000), "srv"));
+    size_t got = 0;
+    T_ASSERT(closed_within(fd, 3000, &got) && got == 4);   /* the marker, not the echo */
+    close(fd);
+    fd = raw_connect(port);
+    T_OK(ddp_sock_send_all(fd, "GARBAGE!", 8, W(3000), "srv"));
+    T_ASSERT(closed_within(fd, 3000, &got) && got == 0);
+    close(fd);
+    fd = raw_connect(port);
+    unsigned char req[DDP_STORE_AUTH_HELLO + DDP_AUTH_MAC] = {DDP_Q_AUTH};
+    magic = DDP_STORE_AUTH_MAGIC;
+    memcpy(req + 1, &magic, 4);
+    T_OK(ddp_sock_send_all(fd, req, sizeof req, W(3000), "srv"));
+    T_ASSERT(closed_within(fd, 3000, &got) && got == 1 + DDP_AUTH_NONCE + DDP_AUTH_MAC);
+    close(fd);
+    /* the key was not overwritten, and the good client is still served */
+    void *v;
+    size_t vl;
+    T_OK(ddp_store_get(s, "k", 1, &v, &vl, W(3000)));
+    T_ASSERT(vl == 1 && ((char *)v)[0] == 'v');
+    free(v);
+    ddp_store_close(s);
+    ddp_store_server_stop(srv);
+    /* a client with a token against a server without: a clear error */
+    set_env_token(NULL);
+    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &port));
+    T_STATUS(ddp_store_connect_auth("127.0.0.1", port, DDP_STORE_AUTH_REQUIRE, &good, W(3000), &b),
+             DDP_ERR_AUTH);
+    T_ASSERT(strstr(ddp_last_error(), "without PYDDP_AUTH_TOKEN"));
+    ddp_store_server_stop(srv);
+    printf("store with a token: right key served, wrong/no key and strangers dropped: ok\n");
+}
+
+/* ---- the framer --------------------------------------------------------- */
+
+static void test_scan(void) {
+    ddp_wbuf b;
+    ddp_wbuf_init(&b);
+    ddp_wbuf_u8(&b, DDP_Q_MULTI_SET);
+    ddp_wbuf_u64(&b, 3);
+    for (int i = 0; i < 3; i++) {
+        ddp_wbuf_str(&b, "key", 3);
+        ddp_wbuf_str(&b, "value!", 6);
+    }
+    ddp_wbuf_u8(&b, DDP_Q_GETNUMKEYS);   /* the next request: not part of this one */
+    size_t total = b.len - 1;
+    ddp_store_scan s;
+    ddp_store_scan_reset(&s);
+    T_ASSERT(ddp_store_scan_step(&s, b.p, b.len) == 1 && s.off == total);
+    ddp_store_scan_reset(&s);
+    int r = 0;
+    size_t calls = 0;
+    for (size_t n = 0; n <= total && r == 0; n++) {
+        if (n < s.need) continue;   /* as the server does: only when it can progress */
+        r = ddp_store_scan_step(&s, b.p, n);
+        calls++;
+    }
+    if (r != 1 || s.off != total || calls > 20) printf("r=%d off=%zu total=%zu calls=%zu\n", r, s.off, total, calls);
+    T_ASSERT(r == 1 && s.off == total && calls <= 20);
+    ddp_store_scan_reset(&s);
+    unsigned char bad[9] = {DDP_Q_GET, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f};
+    T_ASSERT(ddp_store_scan_step(&s, bad, sizeof bad) == -1);
+    ddp_store_scan_reset(&s);
+    unsigned char unk[1] = {200};
+    T_ASSERT(ddp_store_scan_step(&s, unk, 1) == -1);
+    ddp_wbuf_free(&b);
+    printf("framer: byte-by-byte equals whole, only called when it can progress: ok\n");
+}
+
+/* ---- the waiter index -------------------------------------------------- */
+
+static int g_fired;
+static ddp_waiter *g_lists[3];
+static ddp_waiter **head_of(void *conn) { return &g_lists[(intptr_t)conn]; }
+static void fired(void *conn, void *arg) { (void)arg; g_fired |= 1 << (intptr_t)conn; }
+
+static void test_waiters(void) {
+    ddp_waitmap m;
+    T_ASSERT(ddp_waitmap_init(&m) == 0);
+    char key[16];
+    for (int i = 0; i < 200; i++) {   /* grows the table */
+        snprintf(key, sizeof key, "k%d", i);
+        T_ASSERT(ddp_waitmap_add(&m, key, strlen(key), (void *)(intptr_t)(i % 3),
+                                 &g_lists[i % 3]) == 0);
+    }
+    ddp_waitmap_fire(&m, "k4", 2, head_of, fired, NULL);
+    T_ASSERT(g_fired == 2);
+    ddp_waitmap_fire(&m, "k4", 2, head_of, fired, NULL);   /* already fired: nothing */
+    T_ASSERT(g_fired == 2);
+    ddp_waitmap_remove_list(&m, &g_lists[0]);
+    g_fired = 0;
+    ddp_waitmap_fire(&m, "k3", 2, head_of, fired, NULL);   /* conn 0 cancelled */
+    T_ASSERT(g_fired == 0);
+    ddp_waitmap_remove_list(&m, &g_lists[1]);
+    ddp_waitmap_remove_list(&m, &g_lists[2]);
+    T_ASSERT(m.count == 0);
+    ddp_waitmap_free(&m);
+    printf("waiter index: fire, cancel, grow: ok\n");
+}
+
+/* ---- memory and time bounds --------------------------------------------- */
+
+static int validated_conn(int port) {
+    int fd = raw_connect(port);
+    unsigned char v[5] = {DDP_Q_VALIDATE};
+    uint32_t magic = DDP_STORE_MAGIC;
+    memcpy(v + 1, &magic, 4);
+    T_OK(ddp_sock_send_all(fd, v, 5, W(3000), "srv"));
+    return fd;
+}
+
+static void test_bounds(void) {
+    set_env_token(NULL);
+    setenv("PYDDP_STORE_BUFFER_BYTES", "16M", 1);
+    setenv("PYDDP_STORE_REQUEST_TIMEOUT", "1", 1);
+    ddp_settings_reload();
+    ddp_store_server *srv;
+    int port;
+    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &port));
+    /* 20 clients announce 60 MiB values and send 2 MiB of each: 40 MiB offered */
+    enum { N = 20 };
+    int fds[N];
+    static unsigned char chunk[2 << 20];
+    for (int i = 0; i < N; i++) {
+        fds[i] = validated_conn(port);
+        unsigned char h[1 + 8 + 1 + 8];
+        uint64_t one = 1, big = (uint64_t)60 << 20;
+        h[0] = DDP_Q_SET;
+        memcpy(h + 1, &one, 8);
+        h[9] = 'k';
+        memcpy(h + 10, &big, 8);
+        T_OK(ddp_sock_send_all(fds[i], h, sizeof h, W(3000), "srv"));
+        ddp_sock_send_all(fds[i], chunk, sizeof chunk, W(3000), "srv");   /* may be cut off */
+    }
+    usleep(300 * 1000);
+    /* the server's own accounting stays within the budget (one doubling of slack) */
+    T_ASSERT(srv->held <= ((size_t)16 << 20) + ((size_t)8 << 20));
+    ddp_store *s;
+    T_OK(ddp_store_connect("127.0.0.1", port, W(3000), &s));   /* others still served */
+    T_OK(ddp_store_set(s, "x", 1, "y", 1, W(3000)));
+    /* the stalled requests are dropped after PYDDP_STORE_REQUEST_TIMEOUT (1 s) */
+    int64_t t0 = ddp_now_ms();
+    for (int i = 0; i < N; i++) {
+        T_ASSERT(closed_within(fds[i], 4000, NULL));
+        close(fds[i]);
+    }
+    T_ASSERT(ddp_now_ms() - t0 < 4000);
+    /* a silent connection is closed after its first-request grace (5 s); an idle
+     * validated one stays */
+    int silent = raw_connect(port), idle = validated_conn(port);
+    T_ASSERT(closed_within(silent, 7000, NULL));
+    close(silent);
+    T_ASSERT(!closed_within(idle, 200, NULL));
+    close(idle);
+    int64_t n = 0;
+    T_OK(ddp_store_num_keys(s, &n, W(3000)));
+    T_ASSERT(n == 1 && srv->held == 0);
+    ddp_store_close(s);
+    ddp_store_server_stop(srv);
+    unsetenv("PYDDP_STORE_BUFFER_BYTES");
+    unsetenv("PYDDP_STORE_REQUEST_TIMEOUT");
+    ddp_settings_reload();
+    printf("budget under stalled senders, request and first-request timeouts: ok\n");
+}
+
+int main(void) {
+    test_hmac_kat();
+    test_handshake();
+    test_hello();
+    test_scan();
+    test_waiters();
+    test_store_auth();
+    test_bounds();
+    printf("test_auth: ok\n");
+    return 0;
+}

@@ -1,0 +1,294 @@
+"""PYDDP_AUTH_TOKEN end to end (docs/security.md), and the store server's bounds seen
+from outside.
+
+- a 3-rank job with the token while an outsider hammers the store port and every port
+  of PYDDP_PORT_RANGE with garbage, forged store requests (VALIDATE + SET of a rank's
+  address + PING), a forged authentication with a wrong proof, and forged data-link
+  hellos: the job's results are right (checked against NumPy in the worker) and none
+  of the outsider's requests is answered beyond the handshake's challenge;
+- mismatched tokens, and a token on some ranks only: every rank fails within seconds
+  with AuthenticationError naming the peer or the store, none hangs;
+- no token: the job runs as before; the multi-host warning (and its silencing);
+- pyddp's TCPStore server in its own process under 40 stalled clients that announce
+  60 MiB values: its RSS stays near the budget and another client is served; a
+  request left incomplete is dropped after PYDDP_STORE_REQUEST_TIMEOUT.
+"""
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import launch
+
+TOKEN_ENV = {"PYDDP_AUTH_TOKEN": "correct horse battery staple"}
+
+
+def fnv(s):
+    h = 1469598103934665603
+    for b in s.encode():
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _free_range(n):
+    """A run of n consecutive ports that were free a moment ago."""
+    for _ in range(50):
+        lo = launch.free_port()
+        ok = True
+        for p in range(lo, lo + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return lo, lo + n - 1
+    raise RuntimeError("no free port range")
+
+
+def _exchange(port, payload, then=None, wait=2.0):
+    """Connect, send payload (and `then` after the first reply bytes), read until the
+    server closes or `wait` passes. Returns (bytes received, closed by server)."""
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=1.0)
+    except OSError:
+        return b"", True          # nobody listening (yet, or any more)
+    got = b""
+    closed = False
+    with s:
+        s.settimeout(0.2)
+        try:
+            s.sendall(payload)
+        except OSError:
+            return got, True
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+            if then is not None:
+                try:
+                    s.sendall(then)
+                except OSError:
+                    pass
+                then = None
+    return got, closed
+
+
+class Outsider(threading.Thread):
+    """Attacks the store and the data ports until stop is set; records every answer."""
+
+    def __init__(self, port_file, lo, hi):
+        super().__init__(daemon=True)
+        self.port_file, self.lo, self.hi = port_file, lo, hi
+        self.stop = threading.Event()
+        self.answers = []        # (what, port, bytes received, closed)
+
+    def run(self):
+        while not os.path.exists(self.port_file) and not self.stop.is_set():
+            time.sleep(0.05)
+        if self.stop.is_set():
+            return
+        store = int(open(self.port_file).read())
+        key = b"/pyddp/none/0/0/rank/1"
+        val = f"ver=0;wire=3;addr=127.0.0.1;port={self.lo};host=x".encode()
+        forged = (b"\x00" + struct.pack("<I", 0x3C85F7CE) +
+                  b"\x01" + struct.pack("<Q", len(key)) + key + struct.pack("<Q", len(val)) +
+                  val + b"\x0d" + struct.pack("<I", 0x3C85F7CE))
+        fake_auth = b"\x70" + struct.pack("<I", 0x50444441) + os.urandom(32)
+        hello = struct.pack("<IIQiiII", 0x44445048, 3, fnv("/pyddp/none/0/0"), 2, 3, 1, 0)
+        while not self.stop.is_set():
+            for what, port, payload, then in (
+                    ("garbage", store, b"\xff" + os.urandom(63), None),
+                    ("forged set", store, forged, None),
+                    ("forged auth", store, fake_auth, os.urandom(32)),
+                    *[("data garbage", p, os.urandom(40), None)
+                      for p in range(self.lo, self.hi + 1)],
+                    *[("forged hello", p, hello + os.urandom(32), os.urandom(32))
+                      for p in range(self.lo, self.hi + 1)]):
+                got, closed = _exchange(port, payload, then, wait=1.0)
+                self.answers.append((what, port, got, closed))
+                if self.stop.is_set():
+                    break
+
+
+def test_job_with_token_and_outsider(tmp_path):
+    lo, hi = _free_range(6)
+    port_file = str(tmp_path / "port")
+    out = Outsider(port_file, lo, hi)
+    out.start()
+    env = dict(TOKEN_ENV, PYDDP_PORT_RANGE=f"{lo}-{hi}", AUTH_PORT_FILE=port_file,
+               AUTH_LATE="2", AUTH_DELAY="3")
+    try:
+        results = launch.spawn_ranks("auth_job.py", 3, env=env, timeout=90)
+    finally:
+        out.stop.set()
+        out.join(10)
+    for r in results:
+        assert r.returncode == 0 and "PASS" in r.stdout, r.output
+    assert any(w == "forged set" for w, *_ in out.answers), out.answers[:5]
+    for what, port, got, closed in out.answers:
+        if what == "forged auth":      # the server's challenge (65 bytes), nothing more
+            assert len(got) in (0, 65), (what, port, got)
+        elif what == "forged hello":   # the reply and the rank's challenge, nothing more
+            assert len(got) in (0, 8 + 64), (what, port, got)
+        elif what == "forged set":     # no PING echo: at most "authenticate first"
+            assert got in (b"", struct.pack("<I", 0x50444441)), (what, port, got)
+        else:                          # no reply of any kind
+            assert got == b"", (what, port, got)
+        if port not in range(lo, hi + 1):   # a data port may hold it in its backlog
+            assert closed, (what, port)
+    assert "rejected a store connection" in results[0].stderr
+
+
+@pytest.mark.parametrize("tokens", [("a", "b", "a"), ("a", "a", None), (None, "a", "a")])
+def test_mismatched_tokens_fail_every_rank(tokens):
+    def prefix(r):
+        t = tokens[r]
+        return ["env", f"PYDDP_AUTH_TOKEN={t}"] if t else ["env", "-u", "PYDDP_AUTH_TOKEN"]
+    t0 = time.monotonic()
+    results = launch.spawn_ranks("auth_job.py", 3, timeout=60, prefix=prefix,
+                                 env={"PYDDP_TIMEOUT": "120"})
+    elapsed = time.monotonic() - t0
+    for r in results:
+        assert r.returncode == 3, r.output
+        assert "INIT FAILED" in r.stdout and "uthentication" in r.stdout, r.output
+        assert "AuthenticationError" in r.stdout or "DistNetworkError" in r.stdout, r.output
+    assert elapsed < 45, elapsed     # seconds, not PYDDP_TIMEOUT (120 s)
+    # the rank whose token differs names the store or the peer it failed with
+    odd = [r for r, t in enumerate(tokens) if tokens.count(t) == 1][0]
+    assert "store at" in results[odd].stdout or "rank" in results[odd].stdout
+
+
+def test_no_token_runs_and_multi_host_warning(monkeypatch):
+    results = launch.spawn_ranks("auth_job.py", 2, timeout=60,
+                                 prefix=lambda r: ["env", "-u", "PYDDP_AUTH_TOKEN"])
+    for r in results:
+        assert r.returncode == 0 and "PASS" in r.stdout, r.output
+        assert "without PYDDP_AUTH_TOKEN" not in r.stderr   # one host: no warning
+    from pyddp import _group
+
+    class FakePG:
+        size = 2
+
+        def peer(self, r):
+            return (f"rank {r}", f"host-{r}")
+
+    class FakeGroup:
+        def pg(self):
+            return FakePG()
+
+    monkeypatch.setattr(_group._State, "rank", 0)
+    monkeypatch.delenv("PYDDP_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("PYDDP_AUTH_TOKEN_FILE", raising=False)
+    records = []
+    handler = type("H", (__import__("logging").Handler,),
+                   {"emit": lambda self, rec: records.append(rec.getMessage())})()
+    _group.log.addHandler(handler)
+    try:
+        _group._warn_unauthenticated(FakeGroup())
+        assert len(records) == 1 and "spans 2 hosts" in records[0]
+        monkeypatch.setenv("PYDDP_AUTH_TOKEN", "")     # deliberately empty: silenced
+        _group._warn_unauthenticated(FakeGroup())
+        assert len(records) == 1
+    finally:
+        _group.log.removeHandler(handler)
+
+
+SERVER = """
+import sys, time
+from datetime import timedelta
+import pyddp
+s = pyddp.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def _rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _start_server(env):
+    e = dict(os.environ, PYTHONPATH=launch.ROOT, **env)
+    p = subprocess.Popen([sys.executable, "-c", SERVER], env=e, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    return p, int(p.stdout.readline())
+
+
+def _validated(port):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE))
+    return s
+
+
+def test_store_memory_bound_under_stalled_senders():
+    p, port = _start_server({"PYDDP_STORE_BUFFER_BYTES": "64M"})
+    socks = []
+    try:
+        base = _rss_mib(p.pid)
+        chunk = b"x" * (4 << 20)
+        for _ in range(40):        # each announces a 60 MiB value, sends 4 MiB, stalls
+            s = _validated(port)
+            socks.append(s)
+            s.sendall(b"\x01" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 60 << 20))
+            try:
+                s.settimeout(2)
+                s.sendall(chunk)
+            except OSError:
+                pass               # closed by the server: over the budget
+        time.sleep(0.5)
+        grown = _rss_mib(p.pid) - base
+        # 40 x 4 MiB = 160 MiB offered; the budget is 64 MiB (plus one buffer doubling)
+        assert grown < 64 + 48, grown
+        import pyddp
+        from datetime import timedelta
+        other = pyddp.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=5))
+        other.set("k", "v")
+        assert other.get("k") == b"v"
+        other.close()
+    finally:
+        for s in socks:
+            s.close()
+        launch.kill_group(p.pid)
+        p.communicate()
+
+
+def test_store_idle_request_timeout():
+    p, port = _start_server({"PYDDP_STORE_REQUEST_TIMEOUT": "1"})
+    try:
+        s = _validated(port)
+        s.sendall(b"\x01" + struct.pack("<Q", 1))      # half a SET, then nothing
+        s.settimeout(6)
+        t0 = time.monotonic()
+        assert s.recv(1) == b""                        # closed by the server
+        assert 0.8 < time.monotonic() - t0 < 3.5
+        s.close()
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        silent.settimeout(9)
+        t0 = time.monotonic()
+        assert silent.recv(1) == b""                   # never sent its first request
+        assert 4 < time.monotonic() - t0 < 7.5
+        silent.close()
+    finally:
+        launch.kill_group(p.pid)
+        p.communicate()
