@@ -84,19 +84,9 @@ def is_loopback(addr):
 
 
 def iface_of(addr):
-    """The name of the interface that holds addr ('' when none does). Asks pyddp's own
-    ifname_addr for each interface, so it sees what PYDDP_SOCKET_IFNAME would."""
-    try:
-        names = [n for _, n in socket.if_nameindex()]
-    except OSError:
-        return ""
-    for n in names:
-        try:
-            if _C.ifname_addr(n) == addr:
-                return n
-        except _C.DistError:
-            continue
-    return ""
+    """The name of the interface that holds addr ('' when none does), as
+    PYDDP_SOCKET_IFNAME would name it (pyddp._env's lookup)."""
+    return _env.interface_of(addr)
 
 
 # ---- facts ----------------------------------------------------------------------------
