@@ -44,7 +44,10 @@ void ddp_wbuf_u64(ddp_wbuf *b, uint64_t v);
 void ddp_wbuf_str(ddp_wbuf *b, const void *p, size_t n);
 /* Bytes not yet consumed. */
 static inline size_t ddp_wbuf_size(const ddp_wbuf *b) { return b->len - b->start; }
-static inline unsigned char *ddp_wbuf_data(const ddp_wbuf *b) { return b->p + b->start; }
+/* (NULL for a buffer never grown: NULL + 0 is undefined behaviour in C.) */
+static inline unsigned char *ddp_wbuf_data(const ddp_wbuf *b) {
+    return b->p ? b->p + b->start : NULL;
+}
 /* Mark the first n unconsumed bytes as consumed (O(1); the space is
  * reclaimed by the next reserve that needs it). */
 void ddp_wbuf_consume(ddp_wbuf *b, size_t n);
