@@ -75,8 +75,8 @@ class TCPStore:
             is set; see docs/security.md): True requires it (a server that cannot is an
             error), False never tries (torch's servers cannot), None (default) decides:
             required towards this process's own server, off under torchrun's agent store
-            (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise tried, falling back when the
-            server closes the connection at the request as torch's servers do.
+            (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise used when the server asks
+            for it (a pyddp server with a token does; torch's servers cannot).
         multi_tenant, master_listen_fd, use_libuv: accepted for compatibility with
             torch and ignored: every master here owns its own C server, always creates
             its own socket, and there is a single server implementation.

@@ -292,3 +292,38 @@ def test_store_idle_request_timeout():
     finally:
         launch.kill_group(p.pid)
         p.communicate()
+
+
+CLIENT_MODES = """
+import torch.distributed as td, pyddp
+from datetime import timedelta
+t = td.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+c = pyddp.TCPStore("127.0.0.1", t.port, timeout=timedelta(seconds=10))   # auth=None
+c.set("a", "b")
+assert t.get("a") == b"b"                  # torch's server: plain, no hang, no error
+try:
+    pyddp.TCPStore("127.0.0.1", t.port, timeout=timedelta(seconds=20), auth=True)
+    raise SystemExit("auth=True accepted torch's server")
+except pyddp.AuthenticationError as e:
+    assert "torch's TCPStore cannot authenticate" in str(e), e
+m = pyddp.TCPStore("127.0.0.1", 0, is_master=True)
+c2 = pyddp.TCPStore("127.0.0.1", m.port)   # auth=None: authenticates when asked
+c2.set("x", "y")
+assert m.get("x") == b"y"
+print("OK")
+"""
+
+
+def test_client_modes_against_torch_and_pyddp_servers():
+    pytest.importorskip("torch")
+    r = launch.run([sys.executable, "-c", CLIENT_MODES], env=TOKEN_ENV, timeout=60)
+    assert r.returncode == 0 and "OK" in r.stdout, r.output
+    assert "rejected" not in r.stderr, r.output   # the probe is turned away quietly
+
+
+def test_torchrun_with_token():
+    """torchrun's agent store is torch's: pyddp does not authenticate to it, and still
+    authenticates its data links."""
+    pytest.importorskip("torch")
+    r = launch.torchrun("auth_job.py", 2, env=TOKEN_ENV, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("PASS") == 2, r.output

@@ -49,12 +49,15 @@ enum ddp_store_query {
 #define DDP_STORE_AUTH_MAGIC 0x50444441u
 #define DDP_STORE_AUTH_PURPOSE "pyddp store"
 #define DDP_STORE_AUTH_HELLO 37   /* query byte, magic, nonce */
+/* The PING nonce of an AUTO client's plain first connection (ddp_store.h). */
+#define DDP_STORE_AUTH_PROBE 0x50444450u
 
 /* Whether the client authenticates (only meaningful with a token set):
  * OFF never (torch's server, e.g. torchrun's agent store); REQUIRE always
- * (a server that cannot is an error); AUTO tries and, when the server
- * closes the connection at the request as torch's servers do, reconnects
- * without. */
+ * (a server that cannot is an error); AUTO connects plainly and
+ * authenticates on a second connection only if the server answers the
+ * PING with DDP_STORE_AUTH_MAGIC, as a pyddp server with a token does
+ * (torch's servers answer the PING). */
 enum { DDP_STORE_AUTH_OFF = 0, DDP_STORE_AUTH_REQUIRE = 1, DDP_STORE_AUTH_AUTO = 2 };
 
 typedef struct ddp_store ddp_store;

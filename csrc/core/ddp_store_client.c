@@ -39,6 +39,8 @@
 
 /* How long the cancel/drain after an expired WAIT may take. */
 #define DDP_STORE_GRACE_MS 5000
+/* How long a server may take to answer the authentication request. */
+#define AUTH_REPLY_MS 10000
 /* How many keys of a timed-out WAIT are probed to name the missing one. */
 #define DDP_STORE_PROBE_KEYS 64
 
@@ -226,29 +228,40 @@ ddp_status ddp_store_connect_auth(const char *host, int port, int mode,
     atomic_init(&s->refs, 1);
     atomic_init(&s->closed, 0);
     pthread_mutex_init(&s->mu, NULL);
+    /* AUTO first connects plainly: torch's servers answer the PING (they neither
+     * answer nor close at an AUTH request), a pyddp server with a token answers
+     * with its marker instead, and only then is the connection made again with
+     * the handshake. */
+    int with_auth = key != NULL && mode == DDP_STORE_AUTH_REQUIRE;
 again:
     DDP_CHECK(ddp_sock_connect(host, port, w, &s->fd), fail_noconn);
-    if (key != NULL) {
-        st = authenticate(s, key, w);
-        if (st == DDP_ERR_CLOSED && mode == DDP_STORE_AUTH_AUTO) {
-            close(s->fd);   /* torch's server: it cannot authenticate */
-            key = NULL;
-            goto again;
-        }
-        if (st == DDP_ERR_CLOSED)
+    if (with_auth) {
+        ddp_wait aw = ddp_wait_for(AUTH_REPLY_MS, w.abort);   /* pyddp answers at once */
+        if (aw.deadline_ms > w.deadline_ms) aw.deadline_ms = w.deadline_ms;
+        st = authenticate(s, key, aw);
+        if (st == DDP_ERR_CLOSED || (st == DDP_ERR_TIMEOUT && !ddp_wait_expired(w)))
             st = ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
-                           "closed the connection at the authentication request, so it is "
-                           "not a pyddp store with PYDDP_AUTH_TOKEN set (torch's TCPStore "
-                           "cannot authenticate; see docs/security.md)", s->peer);
+                           "did not answer the authentication request, so it is not a pyddp "
+                           "store with PYDDP_AUTH_TOKEN set (torch's TCPStore cannot "
+                           "authenticate; see docs/security.md)", s->peer);
         if (st != DDP_OK) goto fail;
     }
     uint32_t nonce = (uint32_t)ddp_now_us() ^ (uint32_t)getpid(), echo = 0;
+    if (key != NULL && !with_auth) nonce = DDP_STORE_AUTH_PROBE;   /* AUTO's plain try */
+    if (nonce == DDP_STORE_AUTH_MAGIC) nonce++;
     DDP_CHECK(begin(s, w, DDP_Q_VALIDATE), fail);
     ddp_wbuf_u32(&s->req, DDP_STORE_MAGIC);
     ddp_wbuf_u8(&s->req, DDP_Q_PING);
     ddp_wbuf_u32(&s->req, nonce);
     st = send_req(s, w);
     if (st == DDP_OK) st = recv_exact(s, &echo, sizeof echo, w);
+    if (st == DDP_OK && echo == DDP_STORE_AUTH_MAGIC && echo != nonce && key != NULL &&
+        !with_auth) {
+        pthread_mutex_unlock(&s->mu);   /* a pyddp server that wants the handshake */
+        close(s->fd);
+        with_auth = 1;
+        goto again;
+    }
     if (st == DDP_OK && echo == DDP_STORE_AUTH_MAGIC && echo != nonce)
         st = ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
                        "requires PYDDP_AUTH_TOKEN and this process has none. Set the same "

@@ -162,10 +162,17 @@ static int conn_auth(ddp_store_server *srv, ddp_store_conn *c) {
     if (c->auth_stage == 0) {
         if (n == 0) return 0;
         if (p[0] == DDP_Q_VALIDATE) {
-            /* Where a PING's echo would be, a marker a pyddp client without the
-             * token recognises (torch's reads a wrong echo): a clear error there. */
+            /* Where a PING's echo would be, a marker a pyddp client recognises: one
+             * with a token then reconnects with the handshake, one without fails
+             * with a clear error (torch's reads a wrong echo). A pyddp client's
+             * probe (PING of DDP_STORE_AUTH_PROBE) is turned away quietly. */
+            if (n < 10) return 0;   /* VALIDATE and the PING that follows it */
+            uint32_t nonce;
+            memcpy(&nonce, p + 6, 4);
+            int probe = p[5] == DDP_Q_PING && nonce == DDP_STORE_AUTH_PROBE;
             ddp_wbuf_u32(&c->out, DDP_STORE_AUTH_MAGIC);
             conn_flush(c);
+            if (probe) return -1;
             return auth_reject(c, "no PYDDP_AUTH_TOKEN handshake (a client without the "
                                "token, or torch's)", 1);
         }
