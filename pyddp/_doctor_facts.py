@@ -226,7 +226,10 @@ def settings():
             check()
         except _C.DistValueError as e:
             errors.append(str(e))
-    return {"set": {k: v for k, v in os.environ.items() if k in known and v != ""},
+    # the token never leaves the process (facts travel through the store, which under
+    # torchrun anyone can read): only that it is set
+    return {"set": {k: "(set, hidden)" if k == "PYDDP_AUTH_TOKEN" else v
+                    for k, v in os.environ.items() if k in known and v != ""},
             "unknown": sorted(k for k in os.environ if k.startswith("PYDDP_")
                               and k not in known and k not in DOCTOR_ENV),
             "errors": errors, "small_bytes": _C.setting("PYDDP_SMALL_BYTES"),

@@ -327,3 +327,11 @@ def test_torchrun_with_token():
     pytest.importorskip("torch")
     r = launch.torchrun("auth_job.py", 2, env=TOKEN_ENV, timeout=120)
     assert r.returncode == 0 and r.stdout.count("PASS") == 2, r.output
+
+
+def test_doctor_never_shows_the_token(monkeypatch):
+    from pyddp import _doctor_facts
+    monkeypatch.setenv("PYDDP_AUTH_TOKEN", "do-not-print-me")
+    facts = _doctor_facts.settings()
+    assert "do-not-print-me" not in repr(facts)
+    assert facts["set"]["PYDDP_AUTH_TOKEN"] == "(set, hidden)"
