@@ -110,7 +110,7 @@ static int conn_read(ddp_store_server *srv, ddp_store_conn *c) {
         int r = ddp_wbuf_reserve(&c->in, READ_CHUNK);
         srv->held += counted(c) - before;
         if (r < 0) return -1;
-        if (srv->held > srv->budget) {
+        if (counted(c) > before && srv->held > srv->budget) {   /* only the one growing */
             ddp_auth_log_reject("a store request", c->addr, "the store's budget for "
                                 "incomplete requests (PYDDP_STORE_BUFFER_BYTES) is used up");
             return -1;
