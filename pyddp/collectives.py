@@ -140,6 +140,75 @@ def _run(g, kind, a=None, b=None, op=0, root=0, async_op=False, post=None, what=
     return None
 
 
+# ---- the lean path -------------------------------------------------------------
+# A blocking all_reduce/broadcast/reduce/barrier of a contiguous NumPy array or CPU
+# torch tensor skips Staged and Work: one C call (ProcessGroup.run) submits through
+# the same queue and waits through the same loop as Work.wait, so ordering, headers,
+# timeouts, Ctrl-C and the flight record are those of the general path. torch tensors
+# go as (data_ptr, numel, dtype code): no DLPack capsule per call. Anything else (GPU
+# arrays, non-contiguous or unusual arrays, other process-group types) takes _run.
+
+_ndarray = A.np.ndarray
+_PG = _C.ProcessGroup
+_DT = {A.np.dtype(n): getattr(_C, "DT_" + n.upper()) for n in
+       ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
+_torch_tensor = None        # torch.Tensor once seen (recognised by name, never imported)
+_torch_dt = {}              # torch dtype -> DT_* code, or None if unsupported
+_torch_strided = None
+
+
+def _torch_code(t):
+    """The DT_* code of a CPU torch tensor that the lean path may take, else None."""
+    global _torch_tensor, _torch_strided
+    if _torch_tensor is None:
+        tp = type(t)
+        if tp.__name__ != "Tensor" or not tp.__module__.startswith("torch"):
+            return None
+        import sys
+        _torch_strided = sys.modules["torch"].strided
+        _torch_tensor = tp
+    code = _torch_dt.get(t.dtype, False)
+    if code is False:
+        name = str(t.dtype).rsplit(".", 1)[-1]
+        code = _torch_dt[t.dtype] = getattr(_C, "DT_" + name.upper(), None)
+    if code is None or not t.is_cpu or t.layout is not _torch_strided or \
+            not t.is_contiguous():
+        return None
+    return code
+
+
+def _lean(g, kind, x, op, root, what):
+    """Run a blocking single-buffer collective on x through ProcessGroup.run; False
+    if x needs the general path (nothing was sent then)."""
+    pg = g._pg
+    if pg is None or type(pg) is not _PG:
+        return False
+    tp = type(x)
+    try:
+        if tp is _ndarray:
+            if not x.flags.c_contiguous or x.dtype not in _DT:
+                return False
+            r = pg.run(kind, x, op, root, timeout_ms(g))
+        elif x is None:
+            r = pg.run(kind, None, op, root, timeout_ms(g))
+        elif tp is _torch_tensor or (_torch_tensor is None and _torch_code(x) is not None):
+            code = _torch_code(x)
+            n = x.numel() if code is not None else 0
+            if not n:
+                return False
+            r = pg.run(kind, x.data_ptr(), op, root, timeout_ms(g), n, code)
+        else:
+            return False
+    except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
+        # The collective failed (the wait itself has no timeout): as Work.wait does,
+        # say who had not arrived if a peer's timeout caused it.
+        extra = _forensics.explain(g, e)
+        if extra:
+            raise type(e)(f"{e}\n{extra}") from None
+        raise
+    return r is None
+
+
 def _finisher(*staged):
     def post():
         for s in staged:
@@ -150,7 +219,9 @@ def _finisher(*staged):
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce tensor across all ranks in place; every rank gets the result."""
     g = _resolve(group)
-    opc = _op(op)
+    opc = op if type(op) is ReduceOp else _op(op)
+    if not async_op and _lean(g, _C.COLL_ALLREDUCE, tensor, opc, 0, "all_reduce"):
+        return None
     s = A.Staged(tensor)
     return _run(g, _C.COLL_ALLREDUCE, s.array, None, opc, 0, async_op, _finisher(s),
                 "all_reduce")
@@ -160,6 +231,8 @@ def broadcast(tensor, src=0, group=None, async_op=False):
     """Copy src's tensor into every rank's tensor."""
     g = _resolve(group)
     src = _rank_arg(g, src, "src")
+    if not async_op and _lean(g, _C.COLL_BROADCAST, tensor, 0, src, "broadcast"):
+        return None
     s = A.Staged(tensor)
     return _run(g, _C.COLL_BROADCAST, s.array, None, 0, src, async_op, _finisher(s),
                 "broadcast")
@@ -170,6 +243,8 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False):
     g = _resolve(group)
     dst = _rank_arg(g, dst, "dst")
     opc = _op(op)
+    if not async_op and _lean(g, _C.COLL_REDUCE, tensor, opc, dst, "reduce"):
+        return None
     s = A.Staged(tensor)
     return _run(g, _C.COLL_REDUCE, s.array, None, opc, dst, async_op, _finisher(s), "reduce")
 
@@ -287,6 +362,8 @@ def irecv(tensor, src=None, group=None, tag=0):
 def barrier(group=None, async_op=False, device_ids=None):
     """Block until every rank of group reached the barrier."""
     g = _resolve(group)
+    if not async_op and _lean(g, _C.COLL_BARRIER, None, 0, 0, "barrier"):
+        return None
     return _run(g, _C.COLL_BARRIER, None, None, 0, 0, async_op, None, "barrier")
 
 

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,40 @@
 
 #include "ddp_comm_internal.h"
 #include "ddp_settings.h"
+
+/* Hand-off spins. A small collective on shared memory takes a few microseconds,
+ * while a futex wake-up of a parked thread costs about as much again on each side
+ * (submit -> worker, worker -> caller). So the caller spins this long on its work's
+ * done flag before parking, and the idle worker this long for new work before
+ * sleeping on the queue's condition variable. Short pause rounds first, then
+ * sched_yield, so that on a host with fewer cores than spinning threads the one
+ * with real work (the peer's worker, say) gets the core. Bounded: after this the
+ * existing deadline- and abort-checked waits run unchanged. */
+#define WAIT_SPIN_US 50
+#define WORKER_SPIN_US 100
+#define SPIN_PAUSES 64
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Spin until *flag is nonzero or until_us (ddp_now_us scale) passes; returns
+ * whether the flag was seen set. Never blocks, touches no lock. */
+static int spin_on(const atomic_int *flag, int64_t until_us) {
+    for (unsigned n = 0;; n++) {
+        if (atomic_load_explicit(flag, memory_order_acquire)) return 1;
+        if (n < SPIN_PAUSES) {
+            cpu_relax();
+            continue;
+        }
+        if (ddp_now_us() >= until_us) return 0;
+        sched_yield();
+    }
+}
 
 struct ddp_work {
     ddp_coll_args args;
@@ -32,7 +67,7 @@ struct ddp_work {
     void *notify_ctx;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int done;
+    atomic_int done;    /* set under mu (release) once status and msg are final */
     int refs;           /* caller + worker + ddp_work_retain calls */
     ddp_status status;
     char msg[1024];
@@ -57,7 +92,7 @@ static void work_finish(ddp_work *w, ddp_status st, const char *msg) {
     pthread_mutex_lock(&w->mu);
     w->status = st;
     snprintf(w->msg, sizeof w->msg, "%s", msg ? msg : "");
-    w->done = 1;
+    atomic_store_explicit(&w->done, 1, memory_order_release);
     pthread_cond_broadcast(&w->cv);
     pthread_mutex_unlock(&w->mu);
     if (w->notify) w->notify(w->notify_ctx);
@@ -65,13 +100,14 @@ static void work_finish(ddp_work *w, ddp_status st, const char *msg) {
 }
 
 int ddp_work_done(ddp_work *w) {
-    pthread_mutex_lock(&w->mu);
-    int d = w->done;
-    pthread_mutex_unlock(&w->mu);
-    return d;
+    return atomic_load_explicit(&w->done, memory_order_acquire);
 }
 
 ddp_status ddp_work_wait(ddp_work *work, ddp_wait w) {
+    /* Spin first (bounded by the wait's own deadline too): most small
+     * collectives end before a park and wake-up would. */
+    if (ddp_wait_remaining(w) > 0 && !ddp_wait_aborted(w))   /* >= 1 ms > the spin */
+        spin_on(&work->done, ddp_now_us() + WAIT_SPIN_US);
     pthread_mutex_lock(&work->mu);
     while (!work->done) {
         if (ddp_wait_aborted(w)) {
@@ -184,12 +220,17 @@ static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
 static void *worker_main(void *arg) {
     ddp_comm *c = arg;
     for (;;) {
+        /* Idle: spin briefly for the next submission (back-to-back small
+         * collectives) before sleeping on cv. destroy sets stopping and
+         * signals cv under mu, which the wait below sees. */
+        spin_on(&c->queued, ddp_now_us() + WORKER_SPIN_US);
         pthread_mutex_lock(&c->mu);
         while (c->head == NULL && !c->stopping) pthread_cond_wait(&c->cv, &c->mu);
         ddp_work *w = c->head;
         if (w == NULL) { pthread_mutex_unlock(&c->mu); break; }
         c->head = w->next;
         if (c->head == NULL) c->tail = NULL;
+        atomic_fetch_sub_explicit(&c->queued, 1, memory_order_relaxed);
         c->running = 1;
         ddp_flight_started(&c->flight, w->flight_id);
         int broken = c->broken;
@@ -292,6 +333,7 @@ ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_p
     w->flight_id = ddp_flight_queued(&c->flight, &fe);
     if (c->tail) c->tail->next = w; else c->head = w;
     c->tail = w;
+    atomic_fetch_add_explicit(&c->queued, 1, memory_order_release);
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
     *out = w;
@@ -344,6 +386,7 @@ static ddp_status comm_alloc(const ddp_comm_config *cfg, ddp_comm **out) {
     c->timeout_ms = cfg->timeout_ms;
     c->root = c;
     atomic_init(&c->refs, 1);
+    atomic_init(&c->queued, 0);
     c->links = calloc((size_t)cfg->size, sizeof *c->links);
     c->lines = calloc((size_t)cfg->size, sizeof *c->lines);
     c->desc = calloc((size_t)cfg->size, sizeof *c->desc);

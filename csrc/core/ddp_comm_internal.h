@@ -47,6 +47,7 @@ struct ddp_comm {
     pthread_mutex_t mu;    /* guards the queue, stopping, broken, destroyed, links' lifetime */
     pthread_cond_t cv;
     struct ddp_work *head, *tail;
+    atomic_int queued;     /* works in the queue (written under mu; the idle worker spins on it) */
     int stopping;
     int running;           /* the worker is running a collective */
     int broken;

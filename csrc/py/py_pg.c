@@ -19,6 +19,8 @@
  * alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms, stream=None)
  *   -> Work
  * p2p_batch([(is_send, array, peer), ...], timeout_ms, stream=None) -> Work
+ * run(kind, a, op, root, timeout_ms[, count, dtype]) -> None   blocking, host
+ *   memory, single-buffer kinds: submit + wait without a Work (see pg_run)
  * where, by kind, a/b are:
  *   ALLREDUCE, BROADCAST, REDUCE, SEND, RECV: a = the array, b = None
  *   ALLGATHER, REDUCE_SCATTER, GATHER, SCATTER: a = input, b = output
@@ -413,6 +415,83 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     return ddp_py_work_new(pg, work, &a, &b, has_stream, stream);
 }
 
+/* run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: the lean path
+ * of a blocking single-buffer collective (ALLREDUCE, BROADCAST, REDUCE,
+ * BARRIER) on host memory: submit and wait in one call, no Work object. `a`
+ * is a contiguous host array, None (BARRIER), or, with count and dtype
+ * (ddp_dtype codes, DT_*), the address of `count` elements that the caller
+ * keeps alive and unchanged in size for the call (a CPU torch tensor's
+ * data_ptr()). The work goes through the same queue as submit (so it runs
+ * after anything queued before it, and the header exchange, flight record
+ * and timeouts are unchanged) and the wait through ddp_py_wait (Ctrl-C aborts
+ * the group). Returns NotImplemented for a GPU array (use submit). */
+static PyObject *pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 && nargs != 7)
+        return ddp_py_raise(DDP_ERR_INVALID, "run(kind, a, op, root, timeout_ms[, count, "
+                            "dtype])");
+    long kind = PyLong_AsLong(args[0]), op = PyLong_AsLong(args[2]),
+         root = PyLong_AsLong(args[3]);
+    long long timeout_ms = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    if (kind != DDP_COLL_ALLREDUCE && kind != DDP_COLL_BROADCAST && kind != DDP_COLL_REDUCE &&
+        kind != DDP_COLL_BARRIER)
+        return ddp_py_raise(DDP_ERR_INVALID, "run() takes single-buffer collectives only");
+    if (op < 0 || op >= DDP_REDOP_COUNT) return ddp_py_raise(DDP_ERR_INVALID, "invalid reduce op");
+    ddp_coll_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.op = (ddp_redop)op;
+    ddp_py_array a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    ddp_pg pg = ddp_comm_pg(self->comm);
+    if (nargs == 7) {
+        void *ptr = PyLong_AsVoidPtr(args[1]);
+        long long count = PyLong_AsLongLong(args[5]);
+        long dt = PyLong_AsLong(args[6]);
+        if (PyErr_Occurred()) return NULL;
+        if (count < 0 || dt < 0 || dt >= DDP_DTYPE_COUNT || (ptr == NULL && count > 0))
+            return ddp_py_raise(DDP_ERR_INVALID, "run(): invalid buffer");
+        ca.kind = (ddp_coll_kind)kind;
+        ca.root = (int)root;
+        ca.dtype = (ddp_dtype)dt;
+        ca.buf = kind == DDP_COLL_BARRIER ? NULL : ptr;
+        ca.count = kind == DDP_COLL_BARRIER ? 0 : (size_t)count;
+    } else {
+        if (args[1] != Py_None &&
+            ddp_py_array_import(args[1], kind != DDP_COLL_BARRIER, "tensor", &a) < 0)
+            return NULL;
+        if (a.owner && a.device != DDP_DEV_CPU) {
+            ddp_py_array_release(&a);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        /* The import may have run Python code (a __dlpack__) that destroyed the group. */
+        if (self->comm == NULL) {
+            ddp_py_array_release(&a);
+            return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+        }
+        pg = ddp_comm_pg(self->comm);
+        if (ddp_py_coll_args_fill((int)kind, pg.ops->size(pg.impl), pg.ops->rank(pg.impl),
+                                  (int)root, &a, &b, &ca) < 0) {
+            ddp_py_array_release(&a);
+            return NULL;
+        }
+    }
+    ddp_pg_opts o = {.timeout_ms = timeout_ms};
+    ddp_pg_work work;
+    ddp_status st = ddp_pg_submit(pg, &ca, &o, &work);   /* queues; never blocks */
+    if (st != DDP_OK) {
+        ddp_py_array_release(&a);
+        return ddp_py_raise(st, NULL);
+    }
+    pg.ops->retain(pg.impl);   /* for the abort on Ctrl-C, against a concurrent destroy() */
+    int rc = ddp_py_work_run(pg, work);
+    pg.ops->release(pg.impl);
+    ddp_py_array_release(&a);   /* the transport is done with it in every case */
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* The optional `stream` argument: 0 with *has = 0 for None, else its value. */
 static int stream_arg(PyObject *so, int *has, uintptr_t *stream) {
     *has = so != NULL && so != Py_None;
@@ -729,6 +808,9 @@ static PyObject *pg_get_destroyed(PGObject *self, void *c) {
 static PyMethodDef pg_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))pg_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(kind, a=None, b=None, op=0, root=0, timeout_ms=-1, stream=None) -> Work"},
+    {"run", (PyCFunction)(void (*)(void))pg_run, METH_FASTCALL,
+     "run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: submit and wait (host "
+     "memory, single-buffer collectives; NotImplemented for a GPU array)"},
     {"alltoall", (PyCFunction)pg_alltoall, METH_VARARGS,
      "alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms=-1, stream=None) "
      "-> Work (counts and offsets in elements, one per group rank)"},
@@ -787,6 +869,9 @@ int ddp_py_pg_register(PyObject *m) {
         {"COLL_ALLTOALL", DDP_COLL_ALLTOALL}, {"COLL_P2P_BATCH", DDP_COLL_P2P_BATCH},
         {"OP_SUM", DDP_SUM}, {"OP_AVG", DDP_AVG}, {"OP_MIN", DDP_MIN}, {"OP_MAX", DDP_MAX},
         {"OP_PRODUCT", DDP_PRODUCT},
+        {"DT_FLOAT16", DDP_FLOAT16}, {"DT_BFLOAT16", DDP_BFLOAT16}, {"DT_FLOAT32", DDP_FLOAT32},
+        {"DT_FLOAT64", DDP_FLOAT64}, {"DT_INT8", DDP_INT8}, {"DT_UINT8", DDP_UINT8},
+        {"DT_INT32", DDP_INT32}, {"DT_INT64", DDP_INT64}, {"DT_BOOL", DDP_BOOL},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)
         if (PyModule_AddIntConstant(m, consts[i].n, consts[i].v) < 0) return -1;

@@ -123,6 +123,30 @@ static int work_block(WorkObject *w, int64_t timeout_ms) {
     return rc;
 }
 
+/* The lean call path (ProcessGroup.run): wait for a just-submitted work
+ * through the same loop as Work.wait (GIL released, signal handlers every
+ * 100 ms, Ctrl-C aborts the group and waits until the transport let go of
+ * the buffers), then drop the work. 0 on success; -1 with the collective's
+ * error or the signal handler's exception set. Takes over the caller's
+ * reference on work in every case. */
+int ddp_py_work_run(ddp_pg pg, ddp_pg_work work) {
+    wait_ctx c = {pg, work};
+    int rc = ddp_py_wait(wait_slice, &c, -1, wait_on_signal);
+    ddp_status st = DDP_OK;
+    char msg[2048] = "";
+    if (rc == 0) {
+        st = work.ops->work_wait(work.w, ddp_wait_for(0, NULL));   /* done: no blocking */
+        if (st != DDP_OK) snprintf(msg, sizeof msg, "%s", work.ops->work_error(work.w));
+    }
+    work.ops->work_release(work.w);
+    if (rc != 0) return -1;   /* the handler's exception (no timeout with -1) */
+    if (st != DDP_OK) {
+        ddp_py_raise(st, msg);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *work_raise(WorkObject *w) {
     if (w->status == DDP_OK) Py_RETURN_TRUE;
     return ddp_py_raise(w->status, w->error ? PyUnicode_AsUTF8(w->error) : NULL);

@@ -22,6 +22,11 @@ PyObject *ddp_py_work_new(ddp_pg pg, ddp_pg_work work, ddp_py_array *a, ddp_py_a
 PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, int narrs,
                              void *mem, int has_stream, uintptr_t stream);
 
+/* Wait for a just-submitted CPU work without a Work object (GIL held on
+ * entry; released while waiting; Ctrl-C as in Work.wait). Takes over the
+ * reference on work. 0, or -1 with an exception set. */
+int ddp_py_work_run(ddp_pg pg, ddp_pg_work work);
+
 /* For ddp_pg_opts.notify: wakes the completion thread (no Python, no lock
  * held by the caller, never blocks for long). ctx is ignored. */
 void ddp_py_work_notify(void *ctx);

@@ -1,0 +1,75 @@
+"""The lean path of blocking small collectives (ProcessGroup.run, torch tensors by
+data_ptr, the hand-off spins): results against NumPy at several world sizes, the
+fallbacks, order behind queued async work, and that a late peer, a peer that dies and
+Ctrl-C during the wait behave as on the general path. Never timing-based speed checks:
+only upper bounds far from the expected times, as in test_errors.py."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launch import PY, ROOT, WORKERS, free_port, kill_group, spawn_ranks
+from test_errors import results
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_lean_results_match_numpy(ws):
+    res = spawn_ranks("lean_path.py", ws, args=["correct"], timeout=240)
+    rs = [r for r in results(res) if "ok" in r]
+    assert len(rs) == ws and all(r["ok"] for r in rs), [r.output[-3000:] for r in res]
+
+
+def test_late_peer_falls_back_to_the_parked_wait():
+    res = spawn_ranks("lean_path.py", 2, args=["late"], timeout=120)
+    rs = [r for r in results(res) if "ok" in r]
+    assert len(rs) == 2, [r.output[-3000:] for r in res]
+    # the early rank waited for the late one (0.5 s), far longer than any spin
+    assert max(r["waited"] for r in rs) >= 0.4, rs
+
+
+def test_peer_dying_during_back_to_back_calls():
+    res = spawn_ranks("lean_path.py", 3, args=["dies"], env={"PYDDP_TIMEOUT": "120"},
+                      timeout=120)
+    rs = [r for r in results(res) if "cls" in r]
+    assert len(rs) == 2, [r.output[-3000:] for r in res]
+    for r in rs:
+        assert r["cls"] and "DistError" in r["cls"], r
+        assert r["seconds"] < 15, r           # far below the 120 s timeout
+    after = [r for r in results(res) if "after" in r]
+    assert len(after) == 2 and all(a["after"] and a["seconds_after"] < 2 for a in after), after
+
+
+def test_ctrl_c_while_waiting_in_a_loop_of_small_calls():
+    port = free_port()
+    procs = []
+    try:
+        for r in range(2):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
+                       PYDDP_TIMEOUT="60")
+            procs.append(subprocess.Popen([PY, os.path.join(WORKERS, "lean_path.py"),
+                                           "sigint"], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        line = procs[0].stdout.readline()
+        while line and "READY" not in line:
+            line = procs[0].stdout.readline()
+        time.sleep(1.0)
+        procs[0].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+
+    class R:
+        def __init__(self, o):
+            self.output = o
+    rs = results([R(o) for o in outs])
+    r0 = [r for r in rs if r.get("rank") == 0 and "seconds" in r]
+    assert r0 and r0[0]["cls"] == "KeyboardInterrupt" and r0[0]["seconds"] < 3, outs
+    after = [r for r in rs if "after" in r][0]
+    assert after["after"] and "aborted" in after["msg"], after
+    r1 = [r for r in rs if r.get("rank") == 1][0]
+    assert r1["cls"] and "DistError" in r1["cls"] and r1["seconds"] < 10, r1
