@@ -29,6 +29,24 @@ def for_core(x):
     return x
 
 
+_TORCH_NP = {}   # torch dtype -> whether the C core takes its NumPy view (lazily filled)
+_NP_OK = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")
+
+
+def host_view(x):
+    """for_core(x), but a NumPy view of the same memory for a CPU torch tensor that does
+    not require grad and has a dtype the core takes: the C core then imports it through
+    NumPy's C API instead of a fresh DLPack capsule (a few microseconds less per call,
+    which DDP pays once per gradient). The view keeps the tensor's memory alive."""
+    if type(x).__module__.startswith("torch") and x.is_cpu and not x.requires_grad:
+        ok = _TORCH_NP.get(x.dtype)
+        if ok is None:
+            ok = _TORCH_NP[x.dtype] = str(x.dtype).rsplit(".", 1)[-1] in _NP_OK
+        if ok and not x.is_sparse:
+            return x.numpy()
+    return for_core(x)
+
+
 def numel(x):
     if _lib(x) == "torch":
         return x.numel()

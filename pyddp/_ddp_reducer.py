@@ -160,7 +160,7 @@ class CPath(BucketEngine):
                 self._copy_back[i] = grad
             self._c.ready(i, A.for_core(self.views[i]), False)
         else:
-            self._c.ready(i, None if grad is None else A.for_core(grad), copy_back)
+            self._c.ready(i, None if grad is None else A.host_view(grad), copy_back)
 
     def finish(self, track_used):
         try:
