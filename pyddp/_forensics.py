@@ -203,7 +203,7 @@ def explain(group, err):
                 info, key = cand, f"{w.prefix}/stuck/{i}"
                 break
         if info is None:
-            return None
+            return first_failure(w, err)
         reports, deadline = {}, time.monotonic() + REPORT_WAIT_S
         while len(reports) < len(group.ranks) and time.monotonic() < deadline:
             for r in group.ranks:
@@ -216,6 +216,26 @@ def explain(group, err):
             print(f"pyddp: forensics failed: {e!r}", file=sys.stderr)
         return None
     return summarize(group, info, reports)
+
+
+FIRST_FAILURE_WAIT_S = 0.05
+
+
+def first_failure(w, err):
+    """Where a lost connection came from: the first failure any rank of the world
+    recorded (the C worker writes it right after breaking its links), when it was on
+    another rank. Waits at most FIRST_FAILURE_WAIT_S for it, and only for errors that
+    say a peer closed the connection."""
+    key = f"{w.prefix}/broken"
+    deadline = time.monotonic() + (FIRST_FAILURE_WAIT_S if "closed" in str(err) else 0)
+    while not w.reports.check([key]):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.005)
+    d = dict(kv.split("=", 1) for kv in w.reports.get(key).decode().split(";", 1))
+    if int(d["rank"]) == w.rank:
+        return None
+    return f"The first failure in this job was on rank {d['rank']}: {d['what']}"
 
 
 def summarize(group, info, reports):

@@ -196,6 +196,24 @@ static void worker_done(ddp_comm *c, ddp_work *w, ddp_status st) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* The first failure of any rank of the world, kept in the stall store so
+ * that a rank that only saw a peer close its connection can say what really
+ * went wrong first, and where ("/<prefix>/broken" = "rank=R;what=MESSAGE",
+ * set by whoever ADDs "/<prefix>/broken_n" to 1 first). Called after the
+ * links are shut down, so peers fail at once; bounded by 2 s. */
+static void failure_announce(ddp_comm *c, const char *what) {
+    if (c->stall_store == NULL) return;
+    char key[600], val[1600];
+    int64_t i = 0;
+    snprintf(key, sizeof key, "/%s/broken_n", c->stall_prefix);
+    if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, ddp_wait_for(2000, NULL)) !=
+            DDP_OK || i != 1)
+        return;
+    snprintf(val, sizeof val, "rank=%d;what=%s", c->rank, what);
+    snprintf(key, sizeof key, "/%s/broken", c->stall_prefix);
+    ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
+}
+
 /* Announce a timeout of w in the stall store (see ddp_comm_set_stall_store).
  * Best effort, bounded: a store that is gone only loses the announcement. */
 static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
@@ -269,6 +287,7 @@ static void *worker_main(void *arg) {
             snprintf(msg, sizeof msg, "%s", ddp_last_error());
         if (st == DDP_ERR_TIMEOUT) stall_announce(c, w, msg);
         comm_break(c, msg);
+        if (st != DDP_ERR_TIMEOUT) failure_announce(c, msg);
         worker_done(c, w, st);
         work_finish(w, st, msg);
     }

@@ -132,7 +132,10 @@ void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
  * hex, K: the collective's number on that group), each bounded by 2 s; the
  * keys are user keys as TCPStore clients spell them (a leading '/'). So
  * the other ranks can tell a peer's timeout from a crash and gather reports
- * about who did not arrive. Call once, before work is queued. */
+ * about who did not arrive. Any other first failure of the communicator is
+ * kept there too, once per world: whoever ADDs "<prefix>/broken_n" to 1 sets
+ * "<prefix>/broken" to "rank=R;what=MESSAGE" (after breaking its links, so
+ * peers still fail at once). Call once, before work is queued. */
 void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix);
 
 /* Break the communicator now (thread-safe). */
