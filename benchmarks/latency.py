@@ -32,10 +32,16 @@ def parse(argv=None):
     p.add_argument("--nproc", type=int, nargs="*", default=[2, 4])
     p.add_argument("--iters", type=int, default=1000, help="calls per round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="per-call time of a row: median or minimum over the rounds (min is "
+                        "steadier on a machine others are using)")
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--no-mpi", action="store_true")
     p.add_argument("--worker", choices=["pyddp", "mpi"], help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+STAT = statistics.median
 
 
 def timeit(fn, iters, rounds, sync):
@@ -50,7 +56,7 @@ def timeit(fn, iters, rounds, sync):
         for _ in range(iters):
             fn()
         per.append((time.perf_counter() - t0) / iters)
-    return statistics.median(per)
+    return STAT(per)
 
 
 def pyddp_worker(a):
@@ -166,7 +172,7 @@ def launch_pyddp(a, ws):
                GLOO_PORT=str(free_port()), WORLD_SIZE=str(ws), OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = [sys.executable, os.path.abspath(__file__), "--worker", "pyddp",
-            "--iters", str(a.iters), "--rounds", str(a.rounds)] + \
+            "--iters", str(a.iters), "--rounds", str(a.rounds), "--stat", a.stat] + \
         (["--no-gloo"] if a.no_gloo else [])
     procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, text=True) for r in range(ws)]
@@ -191,7 +197,7 @@ def launch_mpi(a, ws):
         return None, "mpirun is not on PATH"
     cmd = [mpirun, "--oversubscribe", "--allow-run-as-root", "-np", str(ws), sys.executable,
            os.path.abspath(__file__), "--worker", "mpi", "--iters", str(a.iters),
-           "--rounds", str(a.rounds)]
+           "--rounds", str(a.rounds), "--stat", a.stat]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
@@ -205,7 +211,7 @@ def report(ws, res, mpi):
     by = {(r["op"], r["bytes"]): r for r in res["rows"]}
     for r in (mpi or {}).get("rows", []):
         by.setdefault((r["op"], r["bytes"]), {}).update(mpi=r["mpi"])
-    print(f"\n## world size {ws}: median microseconds per call")
+    print(f"\n## world size {ws}: {STAT.__name__} microseconds per call")
     print(f"{'op':<11}{'bytes':>7}" + "".join(f"{c:>10}" for c in cols) +
           f"{'numpy/mpi':>11}{'torch/mpi':>11}")
     for (op, nbytes), r in by.items():
@@ -220,6 +226,8 @@ def report(ws, res, mpi):
 
 def main():
     a = parse()
+    global STAT
+    STAT = min if a.stat == "min" else statistics.median
     if a.worker == "pyddp":
         return pyddp_worker(a)
     if a.worker == "mpi":
