@@ -101,8 +101,11 @@ def spawn_ranks(script, world_size, args=(), env=None, timeout=120, master_addr=
             except subprocess.TimeoutExpired:
                 for q in procs:
                     kill_group(q.pid)
-                out, err = p.communicate()
-                raise AssertionError(f"rank timed out after {timeout} s\n{out}\n{err}")
+                outs = []
+                for r, q in enumerate(procs):     # every rank's output, to see who hung
+                    o, e = q.communicate()
+                    outs.append(f"--- rank {r}\n{o}\n{e}")
+                raise AssertionError(f"rank timed out after {timeout} s\n" + "\n".join(outs))
             results.append(Result(p.returncode, out, err))
     finally:
         for p in procs:

@@ -140,8 +140,10 @@ def test_tcp_init_method():
 def test_file_init_method(tmp_path):
     path = tmp_path / "rdzv"
     path.write_text("127.0.0.1 1 stale-from-an-earlier-run\n")   # must not confuse ranks
+    # PYDDP_TIMEOUT well inside the launch's 60 s: a rank that cannot finish says why
     res = spawn_ranks("scenarios.py", 3, args=["init_method", "--init-method",
-                                               f"file://{path}"], timeout=60)
+                                               f"file://{path}"], env={"PYDDP_TIMEOUT": "40"},
+                      timeout=60)
     assert [r["ok"] for r in results(res)] == [True] * 3, [r.output for r in res]
 
 
