@@ -39,13 +39,8 @@
 #include "py_array.h"
 #include "py_nccl.h"
 #include "py_work.h"
+#include "py_pg.h"
 
-typedef struct {
-    PyObject_HEAD
-    ddp_comm *comm;        /* CPU transport; NULL once destroyed */
-    ddp_pg cuda;           /* NCCL transport; ops NULL until attached */
-    PyObject *cuda_factory;
-} PGObject;
 
 static PyTypeObject *PGType;
 
@@ -213,7 +208,7 @@ static void pg_dealloc(PGObject *self) {
 
 /* ---- submit ---------------------------------------------------------- */
 
-static int bad(const char *fmt, ...) {
+int ddp_py_bad(const char *fmt, ...) {
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
@@ -234,10 +229,10 @@ int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *
                  kind == DDP_COLL_SCATTER || (kind == DDP_COLL_GATHER && rank == root);
     /* SCATTER's input lives at the root; its output everywhere. */
     if (kind == DDP_COLL_SCATTER) { need_a = rank == root; need_b = 1; }
-    if (need_a && a->owner == NULL) return bad("%s: the input array is required", nm);
-    if (need_b && b->owner == NULL) return bad("%s: the output array is required", nm);
+    if (need_a && a->owner == NULL) return ddp_py_bad("%s: the input array is required", nm);
+    if (need_b && b->owner == NULL) return ddp_py_bad("%s: the output array is required", nm);
     if (a->owner && b->owner && a->dtype != b->dtype)
-        return bad("%s: input dtype %s differs from output dtype %s", nm,
+        return ddp_py_bad("%s: input dtype %s differs from output dtype %s", nm,
                    ddp_dtype_name(a->dtype), ddp_dtype_name(b->dtype));
     ca->kind = (ddp_coll_kind)kind;
     ca->root = root;
@@ -252,7 +247,7 @@ int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *
     case DDP_COLL_ALLGATHER: case DDP_COLL_GATHER:
         n = a->count;
         if (b->owner && b->count != n * (size_t)size)
-            return bad("%s: the output has %zu elements but needs world_size * input = "
+            return ddp_py_bad("%s: the output has %zu elements but needs world_size * input = "
                        "%d * %zu = %zu", nm, b->count, size, n, n * (size_t)size);
         ca->sendbuf = a->ptr;
         ca->recvbuf = b->owner ? b->ptr : NULL;
@@ -262,7 +257,7 @@ int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *
     case DDP_COLL_SCATTER:
         n = b->count;
         if (a->owner && a->count != n * (size_t)size)
-            return bad("%s: the input has %zu elements but needs world_size * output = "
+            return ddp_py_bad("%s: the input has %zu elements but needs world_size * output = "
                        "%d * %zu = %zu", nm, a->count, size, n, n * (size_t)size);
         ca->sendbuf = a->owner ? a->ptr : NULL;
         ca->recvbuf = b->ptr;
@@ -272,7 +267,7 @@ int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *
         ca->count = 0;
         break;
     default:
-        return bad("unknown collective kind %d", kind);
+        return ddp_py_bad("unknown collective kind %d", kind);
     }
     return 0;
 }
@@ -306,7 +301,7 @@ static int check_signals(void *p) {
 
 /* The transport for a call whose arrays are on_gpu: attaches NCCL through the
  * factory on first use. 0 with *out set, or -1 with an exception. */
-static int route(PGObject *self, int on_gpu, ddp_pg *out) {
+int ddp_py_pg_route(PGObject *self, int on_gpu, ddp_pg *out) {
     if (!on_gpu) {
         *out = ddp_comm_pg(self->comm);
         return 0;
@@ -369,7 +364,7 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     }
     /* The imports (and the factory) ran Python code, which may have
      * destroyed the group: route checks. */
-    if (rc == 0) rc = route(self, on_gpu, &pg);
+    if (rc == 0) rc = ddp_py_pg_route(self, on_gpu, &pg);
     if (rc == 0 && on_gpu && a.owner) rc = ddp_py_nccl_check_array(pg, &a, "input");
     if (rc == 0 && on_gpu && b.owner) rc = ddp_py_nccl_check_array(pg, &b, "output");
     if (rc == 0)
@@ -493,7 +488,7 @@ static PyObject *pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* The optional `stream` argument: 0 with *has = 0 for None, else its value. */
-static int stream_arg(PyObject *so, int *has, uintptr_t *stream) {
+int ddp_py_stream_arg(PyObject *so, int *has, uintptr_t *stream) {
     *has = so != NULL && so != Py_None;
     *stream = 0;
     if (!*has) return 0;
@@ -506,9 +501,9 @@ static int stream_arg(PyObject *so, int *has, uintptr_t *stream) {
  * the arrays are checked to be on its device first, the work is ordered
  * after `stream` (has_stream) and published there at wait(), and the launch
  * runs with the GIL released and Ctrl-C watched, as in pg_submit. */
-static PyObject *submit_prepared(PGObject *self, ddp_pg pg, ddp_coll_args *ca,
-                                 long long timeout_ms, int has_stream, uintptr_t stream,
-                                 ddp_py_array *arrs, int n, void *mem) {
+PyObject *ddp_py_pg_submit_prepared(PGObject *self, ddp_pg pg, ddp_coll_args *ca,
+                                    long long timeout_ms, int has_stream, uintptr_t stream,
+                                    ddp_py_array *arrs, int n, void *mem) {
     ddp_pg_opts o = {.timeout_ms = timeout_ms, .has_stream = has_stream, .stream = stream,
                      .notify = ddp_py_work_notify};
     ddp_pg_work work;
@@ -548,144 +543,6 @@ static PyObject *submit_prepared(PGObject *self, ddp_pg pg, ddp_coll_args *ca,
     return ddp_py_work_new_ex(pg, work, arrs, n, mem, has_stream, stream);
 }
 
-/* Read a sequence of size non-negative ints into out (elements). */
-static int size_list(PyObject *seq, int size, const char *what, size_t *out) {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL) return -1;
-    if (PySequence_Fast_GET_SIZE(fast) != size) {
-        Py_DECREF(fast);
-        return bad("%s has %zd entries but the group has %d ranks", what,
-                   PySequence_Fast_GET_SIZE(fast), size);
-    }
-    for (int i = 0; i < size; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return -1;
-        }
-        if (v < 0) {
-            Py_DECREF(fast);
-            return bad("%s[%d] = %lld is negative", what, i, v);
-        }
-        out[i] = (size_t)v;
-    }
-    Py_DECREF(fast);
-    return 0;
-}
-
-static PyObject *pg_alltoall(PGObject *self, PyObject *args) {
-    PyObject *ao, *bo, *sc, *sd, *rc, *rd, *so = NULL;
-    long long timeout_ms = -1;
-    int has_stream;
-    uintptr_t stream;
-    if (!PyArg_ParseTuple(args, "OOOOOO|LO", &ao, &bo, &sc, &sd, &rc, &rd, &timeout_ms, &so) ||
-        stream_arg(so, &has_stream, &stream) < 0)
-        return NULL;
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
-    int size = ddp_comm_size(self->comm);
-    ddp_py_array *arrs = PyMem_Calloc(2, sizeof *arrs);
-    size_t *mem = PyMem_Calloc(4 * (size_t)size, sizeof *mem);
-    if (arrs == NULL || mem == NULL) {
-        PyMem_Free(arrs);
-        PyMem_Free(mem);
-        return PyErr_NoMemory();
-    }
-    ddp_pg pg = {NULL, NULL};
-    int ok = ddp_py_array_import(ao, 0, "input", &arrs[0]) == 0 &&
-             ddp_py_array_import(bo, 1, "output", &arrs[1]) == 0 &&
-             size_list(sc, size, "input split", mem) == 0 &&
-             size_list(sd, size, "input offsets", mem + size) == 0 &&
-             size_list(rc, size, "output split", mem + 2 * size) == 0 &&
-             size_list(rd, size, "output offsets", mem + 3 * size) == 0;
-    if (ok && arrs[0].dtype != arrs[1].dtype) {
-        bad("all_to_all: input dtype %s differs from output dtype %s",
-            ddp_dtype_name(arrs[0].dtype), ddp_dtype_name(arrs[1].dtype));
-        ok = 0;
-    }
-    for (int q = 0; ok && q < size; q++) {
-        if (mem[size + q] + mem[q] > arrs[0].count || mem[3 * size + q] + mem[2 * size + q] >
-            arrs[1].count) {
-            bad("all_to_all: the block for rank %d runs past the end of the %s", q,
-                mem[size + q] + mem[q] > arrs[0].count ? "input" : "output");
-            ok = 0;
-        }
-    }
-    ok = ok && route(self, arrs[0].device == DDP_DEV_CUDA || arrs[1].device == DDP_DEV_CUDA,
-                     &pg) == 0;
-    if (!ok) {
-        ddp_py_array_release(&arrs[0]);
-        ddp_py_array_release(&arrs[1]);
-        PyMem_Free(arrs);
-        PyMem_Free(mem);
-        return NULL;
-    }
-    ddp_coll_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.kind = DDP_COLL_ALLTOALL;
-    ca.dtype = arrs[0].dtype;
-    ca.sendbuf = arrs[0].ptr;
-    ca.recvbuf = arrs[1].ptr;
-    ca.scounts = mem;
-    ca.sdispls = mem + size;
-    ca.rcounts = mem + 2 * size;
-    ca.rdispls = mem + 3 * size;
-    return submit_prepared(self, pg, &ca, timeout_ms, has_stream, stream, arrs, 2, mem);
-}
-
-static PyObject *pg_p2p_batch(PGObject *self, PyObject *args) {
-    PyObject *list, *so = NULL;
-    long long timeout_ms = -1;
-    int has_stream;
-    uintptr_t stream;
-    if (!PyArg_ParseTuple(args, "O|LO", &list, &timeout_ms, &so) ||
-        stream_arg(so, &has_stream, &stream) < 0)
-        return NULL;
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
-    PyObject *fast = PySequence_Fast(list, "ops must be a sequence of (is_send, array, peer)");
-    if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    ddp_py_array *arrs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *arrs);
-    ddp_p2p_op *ops = PyMem_Calloc(n ? (size_t)n : 1, sizeof *ops);
-    int ok = arrs != NULL && ops != NULL, on_gpu = 0;
-    if (!ok) PyErr_NoMemory();
-    Py_ssize_t got = 0;
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        int is_send, peer;
-        PyObject *arr;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "pOi", &is_send, &arr, &peer)) {
-            ok = 0;
-            break;
-        }
-        if (ddp_py_array_import(arr, !is_send, is_send ? "send tensor" : "recv tensor",
-                                &arrs[i]) < 0) {
-            ok = 0;
-            break;
-        }
-        got = i + 1;
-        on_gpu |= arrs[i].device == DDP_DEV_CUDA;
-        ops[i].peer = peer;
-        ops[i].is_send = is_send;
-        ops[i].dtype = arrs[i].dtype;
-        ops[i].count = arrs[i].count;
-        ops[i].buf = arrs[i].ptr;
-    }
-    Py_DECREF(fast);
-    ddp_pg pg = {NULL, NULL};
-    ok = ok && route(self, on_gpu, &pg) == 0;
-    if (!ok) {
-        for (Py_ssize_t i = 0; i < got; i++) ddp_py_array_release(&arrs[i]);
-        PyMem_Free(arrs);
-        PyMem_Free(ops);
-        return NULL;
-    }
-    ddp_coll_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.kind = DDP_COLL_P2P_BATCH;
-    ca.nops = (int)n;
-    ca.ops = ops;
-    return submit_prepared(self, pg, &ca, timeout_ms, has_stream, stream, arrs, (int)n, ops);
-}
-
 static PyObject *pg_abort(PGObject *self, PyObject *args) {
     const char *reason = "abort() called";
     if (!PyArg_ParseTuple(args, "|s", &reason)) return NULL;
@@ -705,86 +562,6 @@ static PyObject *pg_abort(PGObject *self, PyObject *args) {
 static PyObject *pg_destroy(PGObject *self, PyObject *unused) {
     pg_destroy_all(self, 60000);
     Py_RETURN_NONE;
-}
-
-static PyObject *pg_peer(PGObject *self, PyObject *args) {
-    int r;
-    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
-    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
-        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
-    return Py_BuildValue("(ss)", ddp_comm_peer_desc(self->comm, r), ddp_comm_host_id(self->comm, r));
-}
-
-/* A flight-record entry as a dict; times as seconds before now (None: not yet). */
-static PyObject *entry_dict(const ddp_flight_entry *e, int64_t now_us) {
-    PyObject *st = e->ended_us ? PyUnicode_FromString(e->status == DDP_OK ? "ok" :
-                                                      ddp_status_name((ddp_status)e->status))
-                               : Py_NewRef(Py_None);
-    if (st == NULL) return NULL;
-    const char *state = e->ended_us ? "done" : e->started_us ? "running" : "queued";
-    PyObject *d = Py_BuildValue(
-        "{s:K,s:K,s:K,s:s,s:s,s:i,s:i,s:i,s:i,s:K,s:d,s:N,s:N,s:s,s:N}",
-        "id", (unsigned long long)e->id, "tag", (unsigned long long)e->tag,
-        "seq", (unsigned long long)e->seq, "op", ddp_coll_name((ddp_coll_kind)e->kind),
-        "dtype", ddp_dtype_name((ddp_dtype)e->dtype), "redop", e->op, "root", e->root,
-        "group_rank", e->group_rank, "group_size", e->group_size,
-        "bytes", (unsigned long long)e->bytes,
-        "queued_ago", (now_us - e->queued_us) / 1e6,
-        "started_ago", e->started_us ? PyFloat_FromDouble((now_us - e->started_us) / 1e6)
-                                     : Py_NewRef(Py_None),
-        "ended_ago", e->ended_us ? PyFloat_FromDouble((now_us - e->ended_us) / 1e6)
-                                 : Py_NewRef(Py_None),
-        "state", state, "status", st);
-    return d;
-}
-
-static PyObject *pg_flight_record(PGObject *self, PyObject *unused) {
-    if (self->comm == NULL) return PyList_New(0);
-    ddp_flight_entry fr[DDP_FLIGHT_LEN];
-    size_t n = ddp_comm_flight(self->comm, fr, DDP_FLIGHT_LEN);
-    int64_t now = ddp_now_us();
-    PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *d = entry_dict(&fr[i], now);
-        if (d == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, (Py_ssize_t)i, d);
-    }
-    return out;
-}
-
-static PyObject *pg_progress(PGObject *self, PyObject *unused) {
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
-    uint64_t sub, done;
-    ddp_flight_entry last;
-    ddp_comm_progress(self->comm, &sub, &done, &last);
-    PyObject *ld = last.id ? entry_dict(&last, ddp_now_us()) : Py_NewRef(Py_None);
-    if (ld == NULL) return NULL;
-    return Py_BuildValue("{s:K,s:K,s:N,s:K}", "submitted", (unsigned long long)sub,
-                         "completed", (unsigned long long)done, "last_done", ld,
-                         "tag", (unsigned long long)ddp_comm_tag(self->comm));
-}
-
-static PyObject *pg_set_stall_store(PGObject *self, PyObject *args) {
-    PyObject *store_obj;
-    const char *prefix;
-    if (!PyArg_ParseTuple(args, "Os", &store_obj, &prefix)) return NULL;
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
-    ddp_store *s = ddp_py_store_client_ref(store_obj);
-    if (s == NULL) return NULL;
-    ddp_comm_set_stall_store(self->comm, s, prefix);
-    ddp_store_release(s);
-    Py_RETURN_NONE;
-}
-
-static PyObject *pg_transport(PGObject *self, PyObject *args) {
-    int r;
-    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
-    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
-        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
-    return PyUnicode_FromString(ddp_comm_transport(self->comm, r));
 }
 
 static PyObject *pg_get_rank(PGObject *self, void *c) {
@@ -811,10 +588,10 @@ static PyMethodDef pg_methods[] = {
     {"run", (PyCFunction)(void (*)(void))pg_run, METH_FASTCALL,
      "run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: submit and wait (host "
      "memory, single-buffer collectives; NotImplemented for a GPU array)"},
-    {"alltoall", (PyCFunction)pg_alltoall, METH_VARARGS,
+    {"alltoall", (PyCFunction)ddp_py_pg_alltoall, METH_VARARGS,
      "alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms=-1, stream=None) "
      "-> Work (counts and offsets in elements, one per group rank)"},
-    {"p2p_batch", (PyCFunction)pg_p2p_batch, METH_VARARGS,
+    {"p2p_batch", (PyCFunction)ddp_py_pg_p2p_batch, METH_VARARGS,
      "p2p_batch([(is_send, array, peer), ...], timeout_ms=-1, stream=None) -> Work (peers: "
      "group ranks)"},
     {"subgroup", (PyCFunction)pg_subgroup, METH_VARARGS,
@@ -825,14 +602,14 @@ static PyMethodDef pg_methods[] = {
      "set_cuda_factory(fn): fn() attaches NCCL on first use of a GPU array"},
     {"abort", (PyCFunction)pg_abort, METH_VARARGS, "Break the group now; peers fail fast."},
     {"destroy", (PyCFunction)pg_destroy, METH_NOARGS, "Close all connections."},
-    {"peer", (PyCFunction)pg_peer, METH_VARARGS, "peer(rank) -> (description, host_id)"},
-    {"flight_record", (PyCFunction)pg_flight_record, METH_NOARGS,
+    {"peer", (PyCFunction)ddp_py_pg_peer, METH_VARARGS, "peer(rank) -> (description, host_id)"},
+    {"flight_record", (PyCFunction)ddp_py_pg_flight_record, METH_NOARGS,
      "flight_record() -> [dict]: the last 64 collectives of this process's communicator"},
-    {"progress", (PyCFunction)pg_progress, METH_NOARGS,
+    {"progress", (PyCFunction)ddp_py_pg_progress, METH_NOARGS,
      "progress() -> {submitted, completed, last_done, tag} of this group"},
-    {"set_stall_store", (PyCFunction)pg_set_stall_store, METH_VARARGS,
+    {"set_stall_store", (PyCFunction)ddp_py_pg_set_stall_store, METH_VARARGS,
      "set_stall_store(store, prefix): announce a collective timeout there (ddp_comm.h)"},
-    {"transport", (PyCFunction)pg_transport, METH_VARARGS,
+    {"transport", (PyCFunction)ddp_py_pg_transport, METH_VARARGS,
      "transport(rank) -> 'tcp', 'shm' or 'self': the CPU link to that group rank"},
     {NULL}
 };

@@ -1,0 +1,93 @@
+/* py_pg_info.c - what a pyddp._C.ProcessGroup can tell about itself without
+ * communicating: its peers and the transport to each, the flight record and
+ * progress counters of its communicator (csrc/core/ddp_flight.h), and where
+ * a timeout is announced (the stall store, used by pyddp/_forensics.py).
+ */
+#include "py_common.h"
+
+#include <string.h>
+#include "ddp_comm.h"
+#include "ddp_store.h"
+#include "py_array.h"
+#include "py_pg.h"
+#include "ddp_flight.h"
+
+PyObject *ddp_py_pg_peer(PGObject *self, PyObject *args) {
+    int r;
+    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
+    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
+        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
+    return Py_BuildValue("(ss)", ddp_comm_peer_desc(self->comm, r), ddp_comm_host_id(self->comm, r));
+}
+
+/* A flight-record entry as a dict; times as seconds before now (None: not yet). */
+static PyObject *entry_dict(const ddp_flight_entry *e, int64_t now_us) {
+    PyObject *st = e->ended_us ? PyUnicode_FromString(e->status == DDP_OK ? "ok" :
+                                                      ddp_status_name((ddp_status)e->status))
+                               : Py_NewRef(Py_None);
+    if (st == NULL) return NULL;
+    const char *state = e->ended_us ? "done" : e->started_us ? "running" : "queued";
+    PyObject *d = Py_BuildValue(
+        "{s:K,s:K,s:K,s:s,s:s,s:i,s:i,s:i,s:i,s:K,s:d,s:N,s:N,s:s,s:N}",
+        "id", (unsigned long long)e->id, "tag", (unsigned long long)e->tag,
+        "seq", (unsigned long long)e->seq, "op", ddp_coll_name((ddp_coll_kind)e->kind),
+        "dtype", ddp_dtype_name((ddp_dtype)e->dtype), "redop", e->op, "root", e->root,
+        "group_rank", e->group_rank, "group_size", e->group_size,
+        "bytes", (unsigned long long)e->bytes,
+        "queued_ago", (now_us - e->queued_us) / 1e6,
+        "started_ago", e->started_us ? PyFloat_FromDouble((now_us - e->started_us) / 1e6)
+                                     : Py_NewRef(Py_None),
+        "ended_ago", e->ended_us ? PyFloat_FromDouble((now_us - e->ended_us) / 1e6)
+                                 : Py_NewRef(Py_None),
+        "state", state, "status", st);
+    return d;
+}
+
+PyObject *ddp_py_pg_flight_record(PGObject *self, PyObject *unused) {
+    if (self->comm == NULL) return PyList_New(0);
+    ddp_flight_entry fr[DDP_FLIGHT_LEN];
+    size_t n = ddp_comm_flight(self->comm, fr, DDP_FLIGHT_LEN);
+    int64_t now = ddp_now_us();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *d = entry_dict(&fr[i], now);
+        if (d == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, d);
+    }
+    return out;
+}
+
+PyObject *ddp_py_pg_progress(PGObject *self, PyObject *unused) {
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    uint64_t sub, done;
+    ddp_flight_entry last;
+    ddp_comm_progress(self->comm, &sub, &done, &last);
+    PyObject *ld = last.id ? entry_dict(&last, ddp_now_us()) : Py_NewRef(Py_None);
+    if (ld == NULL) return NULL;
+    return Py_BuildValue("{s:K,s:K,s:N,s:K}", "submitted", (unsigned long long)sub,
+                         "completed", (unsigned long long)done, "last_done", ld,
+                         "tag", (unsigned long long)ddp_comm_tag(self->comm));
+}
+
+PyObject *ddp_py_pg_set_stall_store(PGObject *self, PyObject *args) {
+    PyObject *store_obj;
+    const char *prefix;
+    if (!PyArg_ParseTuple(args, "Os", &store_obj, &prefix)) return NULL;
+    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    ddp_store *s = ddp_py_store_client_ref(store_obj);
+    if (s == NULL) return NULL;
+    ddp_comm_set_stall_store(self->comm, s, prefix);
+    ddp_store_release(s);
+    Py_RETURN_NONE;
+}
+
+PyObject *ddp_py_pg_transport(PGObject *self, PyObject *args) {
+    int r;
+    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
+    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
+        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
+    return PyUnicode_FromString(ddp_comm_transport(self->comm, r));
+}
