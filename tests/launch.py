@@ -111,3 +111,32 @@ def spawn_ranks(script, world_size, args=(), env=None, timeout=120, master_addr=
         for p in procs:
             kill_group(p.pid)
     return results
+
+
+def interrupt_rank0(script, args=(), world_size=2, env=None, timeout=60, delay=1.0):
+    """Start world_size plain ranks of tests/workers/<script>; once rank 0 prints READY,
+    wait delay seconds and send it SIGINT (Ctrl-C). Returns every rank's combined
+    output (stdout and stderr). Every process is killed by id at the end."""
+    port = free_port()
+    path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
+    procs = []
+    try:
+        for r in range(world_size):
+            e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=ROOT,
+                     PYTHONUNBUFFERED="1", PYDDP_TIMEOUT="60")
+            e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            e.update(env or {})
+            procs.append(subprocess.Popen([PY, path] + list(args), env=e,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        line = procs[0].stdout.readline()
+        while line and "READY" not in line:
+            line = procs[0].stdout.readline()
+        import time
+        time.sleep(delay)
+        procs[0].send_signal(signal.SIGINT)
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p.pid)

@@ -2,13 +2,12 @@
 that dies, ranks that disagree, bad arrays, versions, timeouts; plus the GIL staying
 free during waits, re-initialisation, and the tcp:// and file:// init methods."""
 import ast
-import os
 import re
 import time
 
 import pytest
 
-from launch import PY, WORKERS, free_port, run, spawn_ranks, torchrun
+from launch import PY, free_port, run, spawn_ranks
 
 
 def results(res_list):
@@ -148,29 +147,8 @@ def test_file_init_method(tmp_path):
 
 
 def test_ctrl_c_interrupts_a_collective_and_aborts_the_group():
-    import signal
-    import subprocess
-    from launch import ROOT, kill_group
-    port = free_port()
-    procs = []
-    try:
-        for r in range(2):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
-                       PYDDP_TIMEOUT="60")
-            procs.append(subprocess.Popen([PY, os.path.join(WORKERS, "scenarios.py"),
-                                           "sigint"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
-        line = procs[0].stdout.readline()
-        while line and "READY" not in line:
-            line = procs[0].stdout.readline()
-        time.sleep(1.0)
-        procs[0].send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=30)[0] for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p.pid)
+    from launch import interrupt_rank0
+    outs = interrupt_rank0("scenarios.py", ["sigint"], timeout=30)
 
     class R:
         def __init__(self, o):

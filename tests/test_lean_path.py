@@ -3,14 +3,10 @@ data_ptr, the hand-off spins): results against NumPy at several world sizes, the
 fallbacks, order behind queued async work, and that a late peer, a peer that dies and
 Ctrl-C during the wait behave as on the general path. Never timing-based speed checks:
 only upper bounds far from the expected times, as in test_errors.py."""
-import os
-import signal
-import subprocess
-import time
 
 import pytest
 
-from launch import PY, ROOT, WORKERS, free_port, kill_group, spawn_ranks
+from launch import interrupt_rank0, spawn_ranks
 from test_errors import results
 
 
@@ -42,26 +38,7 @@ def test_peer_dying_during_back_to_back_calls():
 
 
 def test_ctrl_c_while_waiting_in_a_loop_of_small_calls():
-    port = free_port()
-    procs = []
-    try:
-        for r in range(2):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
-                       PYDDP_TIMEOUT="60")
-            procs.append(subprocess.Popen([PY, os.path.join(WORKERS, "lean_path.py"),
-                                           "sigint"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
-        line = procs[0].stdout.readline()
-        while line and "READY" not in line:
-            line = procs[0].stdout.readline()
-        time.sleep(1.0)
-        procs[0].send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p.pid)
+    outs = interrupt_rank0("lean_path.py", ["sigint"], timeout=60)
 
     class R:
         def __init__(self, o):
