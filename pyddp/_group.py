@@ -138,7 +138,7 @@ class Group:
             raise _C.DistValueError(f"new_group: ranks {ranks} has duplicates")
         idx = [self.group_rank(r, "ranks entry") for r in ranks]
         prefix = f"{self._prefix}/g/{name}"
-        tag = _C.hash_tag(prefix) if hasattr(_C, "hash_tag") else _fnv(prefix)
+        tag = _fnv(prefix)        # the same on every member: a hash of the key prefix
         sub = self.pg("new_group").subgroup(idx, tag)
         g = Group(sub, ranks, self.backend if backend is None else backend, self._store,
                   prefix, self._timeout_s if timeout_s is None else timeout_s,
@@ -158,6 +158,7 @@ class Group:
 
 
 def _fnv(s):
+    """64-bit FNV-1a of s (the C core tags a world group with the same hash)."""
     h = 1469598103934665603
     for c in s.encode():
         h = ((h ^ c) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
