@@ -93,7 +93,7 @@ def run_victim(rank, victim):
         print(f"RESULT rank={rank} error=None", flush=True)
     except Exception as e:  # noqa: BLE001 - the test checks class and timing
         print(f"RESULT rank={rank} error={type(e).__name__} seconds={time.monotonic() - t0:.2f}"
-              f" msg={str(e)[:300]!r}", flush=True)
+              f" msg={str(e)[:1500]!r}", flush=True)   # whole: the first failure comes last
 
 
 def expected_shm(rank, ws, layout, disabled_rank):
