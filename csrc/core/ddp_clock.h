@@ -40,4 +40,13 @@ int ddp_wait_expired(ddp_wait w);
 /* 1 if the abort flag is set. */
 int ddp_wait_aborted(ddp_wait w);
 
+/* One spin-wait step: tells the CPU this thread is busy-waiting. */
+static inline void ddp_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 #endif

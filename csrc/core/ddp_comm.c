@@ -36,21 +36,13 @@
 #define WORKER_SPIN_US 100
 #define SPIN_PAUSES 64
 
-static void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* Spin until *flag is nonzero or until_us (ddp_now_us scale) passes; returns
  * whether the flag was seen set. Never blocks, touches no lock. */
 static int spin_on(const atomic_int *flag, int64_t until_us) {
     for (unsigned n = 0;; n++) {
         if (atomic_load_explicit(flag, memory_order_acquire)) return 1;
         if (n < SPIN_PAUSES) {
-            cpu_relax();
+            ddp_cpu_relax();
             continue;
         }
         if (ddp_now_us() >= until_us) return 0;

@@ -32,14 +32,6 @@
 /* How often an idle transfer asks its links' check op (ms). */
 #define CHECK_EVERY_MS 1000
 
-static void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* Back off one idle round for links that can only be polled by spinning:
  * spin briefly (a shared-memory peer usually answers within microseconds),
  * then yield the core, then sleep so a long wait does not burn a CPU. When
@@ -49,7 +41,7 @@ static void cpu_relax(void) {
 static void spin_backoff(unsigned *idle, ddp_link *park, int park_alone) {
     unsigned n = (*idle)++;
     if (n < SPIN_PAUSE_ROUNDS) {
-        cpu_relax();
+        ddp_cpu_relax();
     } else if (park && n >= SPIN_PAUSE_ROUNDS + PARK_AFTER_YIELDS) {
         park->ops->park(park, park_alone ? PARK_US : SPIN_SLEEP_NS / 1000);
     } else if (n < SPIN_YIELD_ROUNDS) {
