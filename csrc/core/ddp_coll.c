@@ -8,6 +8,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 const char *ddp_coll_name(ddp_coll_kind k) {
     switch (k) {
@@ -141,6 +142,15 @@ void ddp_group_release_scratch(ddp_group *g) {
     free(g->scratch);
     g->scratch = NULL;
     g->scratch_len = 0;
+}
+
+void ddp_coll_wire_store(ddp_dtype t, ddp_redop op, void *dst, void *acc, size_t n, int nranks) {
+    if (ddp_coll_wire_wide(t, op)) {
+        ddp_acc_store(t, op, dst, acc, n, nranks);
+        return;
+    }
+    if (n > 0 && dst != acc) memcpy(dst, acc, n * ddp_dtype_size(t));
+    ddp_reduce_finish(t, op, dst, n, nranks);
 }
 
 void ddp_coll_block(size_t count, int n, int b, size_t *off, size_t *len) {

@@ -73,6 +73,27 @@ static inline int ddp_coll_is_half(ddp_dtype t) {
     return t == DDP_FLOAT16 || t == DDP_BFLOAT16;
 }
 
+/* What partial sums travel in on the ring (the bandwidth path's reduce-
+ * scatter): the accumulator type where it is needed for exactness (integer
+ * AVG), but float16/bfloat16 in their own type: each rank combines a
+ * received block with its own in float32 and rounds once (as NCCL does), so
+ * a half-precision all-reduce moves half the bytes of a float32 one. */
+static inline int ddp_coll_wire_wide(ddp_dtype t, ddp_redop op) {
+    return !ddp_acc_is_native(t, op) && !ddp_coll_is_half(t);
+}
+static inline size_t ddp_coll_wire_size(ddp_dtype t, ddp_redop op) {
+    return ddp_coll_wire_wide(t, op) ? ddp_acc_size(t, op) : ddp_dtype_size(t);
+}
+/* dst = a op b in the wire type (dst may alias a). */
+static inline void ddp_coll_wire_combine(ddp_dtype t, ddp_redop op, void *dst, const void *a,
+                                         const void *b, size_t n) {
+    if (ddp_coll_wire_wide(t, op)) ddp_acc_combine(t, op, dst, a, b, n);
+    else ddp_reduce3(t, op, dst, a, b, n);
+}
+/* dst (element type) = the final value of wire-type `acc` after AVG's
+ * division by nranks; dst is acc or does not overlap it. */
+void ddp_coll_wire_store(ddp_dtype t, ddp_redop op, void *dst, void *acc, size_t n, int nranks);
+
 /* The header this rank sends for a (validated) call taking `path`. */
 ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path);
 /* Wire form of a header (DDP_COLL_HDR_BYTES), and back: parse fails with

@@ -8,13 +8,13 @@
  * g->chunk_bytes: each chunk is received into scratch and reduced into place
  * while the kernel keeps buffering the next one. Each block's final value is
  * computed by exactly one rank and then copied to all, so every rank ends
- * with identical bytes. Where the accumulator type (ddp_acc_size) is wider
- * than the element type, the input is staged in it and the partial sums
- * travel in it during the reduce-scatter: float32 for float16/bfloat16 (one
- * conversion in, one rounding out), and for integer AVG int64 (int8, uint8,
- * int32) or 128-bit (int64) sums, so that no partial sum wraps and the
- * final floor division gives the exact mean. The all-gather then moves the
- * finished elements in their own type.
+ * with identical bytes. Partial sums travel in the wire type
+ * (ddp_coll_wire_wide): for integer AVG the input is staged in int64 (int8,
+ * uint8, int32) or 128-bit (int64) sums, so that no partial sum wraps and
+ * the final floor division gives the exact mean; float16/bfloat16 travel in
+ * their own type, combined in float32 and rounded at each step, so they
+ * cost half the bytes of float32. The all-gather moves the finished
+ * elements in their own type.
  */
 #include "ddp_coll_internal.h"
 
@@ -22,14 +22,14 @@
 
 static int ring_mod(int x, int n) { return ((x % n) + n) % n; }
 
-/* One ring reduce-scatter over `count` accumulator elements (of the
- * accumulator type of t and op, wes bytes each) split into size blocks;
+/* One ring reduce-scatter over `count` wire-type elements (of the wire
+ * type of t and op, wes bytes each) split into size blocks;
  * afterwards this rank holds the reduction of block `rank`. Block b's input
  * is src + off(b). In place (inplace != NULL, equal to src) block b
  * accumulates where it is; otherwise partial sums alternate between alt[0]
  * and alt[1] (each one block long) and the last step writes dst. */
 typedef struct ring_rs {
-    ddp_dtype t;        /* the element type: combining is ddp_acc_combine(t, op) */
+    ddp_dtype t;        /* the element type: combining is ddp_coll_wire_combine(t, op) */
     ddp_redop op;
     size_t wes;         /* bytes per accumulator element */
     size_t count;
@@ -61,7 +61,7 @@ static ddp_status ring_reduce_scatter(ddp_group *g, const ring_rs *p, ddp_wait w
             ddp_status st = ddp_link_sendrecv(next, sp + c * es, sn * es, prev, p->rtmp,
                                               rn * es, w);
             if (st != DDP_OK) return st;
-            ddp_acc_combine(p->t, p->op, acc + c * es, own + c * es, p->rtmp, rn);
+            ddp_coll_wire_combine(p->t, p->op, acc + c * es, own + c * es, p->rtmp, rn);
         }
         sent = acc;
     }
@@ -87,8 +87,8 @@ static ddp_status ring_all_gather(ddp_group *g, char *data, size_t count, size_t
 }
 
 ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    const int n = g->size, me = g->rank, wide = !ddp_acc_is_native(a->dtype, a->op);
-    const size_t es = ddp_dtype_size(a->dtype), wes = ddp_acc_size(a->dtype, a->op);
+    const int n = g->size, me = g->rank, wide = ddp_coll_wire_wide(a->dtype, a->op);
+    const size_t es = ddp_dtype_size(a->dtype), wes = ddp_coll_wire_size(a->dtype, a->op);
     const size_t stage = wide ? ddp_coll_align(a->count * wes) : 0;
     const size_t chunk = ddp_coll_chunk_elems(g, wes) * wes;
     if (n == 1) return DDP_OK; /* AVG over one rank is the identity */
@@ -103,7 +103,7 @@ ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wai
     size_t off, len;
     ddp_coll_block(a->count, n, me, &off, &len);
     /* native: finish in place; wide: round/divide into this rank's block */
-    ddp_acc_store(a->dtype, a->op, (char *)a->buf + off * es, data + off * wes, len, n);
+    ddp_coll_wire_store(a->dtype, a->op, (char *)a->buf + off * es, data + off * wes, len, n);
     return ring_all_gather(g, a->buf, a->count, es, w);
 }
 
@@ -115,8 +115,8 @@ ddp_status ddp_coll_ring_allgather(ddp_group *g, const ddp_coll_args *a, ddp_wai
 }
 
 ddp_status ddp_coll_ring_reduce_scatter(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    const int n = g->size, me = g->rank, wide = !ddp_acc_is_native(a->dtype, a->op);
-    const size_t wes = ddp_acc_size(a->dtype, a->op), total = a->count * (size_t)n;
+    const int n = g->size, me = g->rank, wide = ddp_coll_wire_wide(a->dtype, a->op);
+    const size_t wes = ddp_coll_wire_size(a->dtype, a->op), total = a->count * (size_t)n;
     const size_t chunk = ddp_coll_chunk_elems(g, wes) * wes;
     /* Wide accumulators: the whole input widened, reduced in place. Native:
      * two block-sized areas for partial sums (sendbuf is const). */
@@ -141,6 +141,6 @@ ddp_status ddp_coll_ring_reduce_scatter(ddp_group *g, const ddp_coll_args *a, dd
         return st;
     }
     void *mine = wide ? base + (size_t)me * a->count * wes : a->recvbuf;
-    ddp_acc_store(a->dtype, a->op, a->recvbuf, mine, a->count, n);
+    ddp_coll_wire_store(a->dtype, a->op, a->recvbuf, mine, a->count, n);
     return DDP_OK;
 }

@@ -63,9 +63,10 @@ void ddp_reduce_finish(ddp_dtype t, ddp_redop op, void *buf, size_t n, int nrank
  *     uint64_t words, low word first (exact for any world size).
  * So integer AVG is the exact mean rounded toward minus infinity (floor,
  * as NumPy's and torch's //), never a wrapped sum divided; the result
- * always fits the element type. Partial sums that travel between ranks (ring
- * and chain algorithms) travel in the accumulator type, in host byte order
- * like the data itself. Float AVG stays a sum and one division at the end.
+ * always fits the element type. Partial sums that travel between ranks
+ * travel in the accumulator type (chain algorithms), except on the ring,
+ * where float16/bfloat16 partial sums travel in their own type (combined in
+ * float32 and rounded at each step: see ddp_coll_wire_wide). Float AVG stays a sum and one division at the end.
  * Buffers of the accumulator type hold n * ddp_acc_size(t, op) bytes. */
 size_t ddp_acc_size(ddp_dtype t, ddp_redop op);
 /* 1 if the accumulator is the element type itself (no staging needed). */

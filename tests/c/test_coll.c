@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "coll_harness.h"
+#include "ddp_coll_internal.h"
 #include "ddp_dtype.h"
 
 static int is_float(ddp_dtype t) { return t <= DDP_FLOAT64; }
@@ -236,11 +237,27 @@ static void test_large(void) {
 
 /* ---- float32 accumulation and identical results --------------------------------- */
 
-/* 2048 + 1 + 1 + 1: per-step float16 rounding would give 2048 (and bfloat16
- * 256 + 3 would give 256); float32 accumulation gives 2051 -> 2052 (259 ->
- * 260), on every path and every algorithm. */
+/* 2048 + 1 + 1 + 1: per-step float16 rounding of the whole sum would give
+ * 2048 (and bfloat16 256 + 3 would give 256); float32 accumulation gives
+ * 2051 -> 2052 (259 -> 260). The latency path and the chain reduce sum all
+ * contributions in float32. The ring (bandwidth path of all_reduce and
+ * reduce_scatter) sends partial sums in the element type: block b starts at
+ * rank b+1 and gathers ranks b+2, ..., b in ring order, each step adding in
+ * float32 and rounding once, so the expected value is that fold. */
+static uint16_t ring_fold(ddp_dtype dt, int n, int b, float big) {
+    float acc = 0;
+    for (int s = 0; s < n; s++) {
+        const int q = (b + 1 + s) % n;
+        const float v = q == 0 ? big : 1.0f;
+        acc = s == 0 ? v : acc + v;
+        acc = dt == DDP_FLOAT16 ? ddp_half_to_float(ddp_float_to_half(acc))
+                                : ddp_bf16_to_float(ddp_float_to_bf16(acc));
+    }
+    return dt == DDP_FLOAT16 ? ddp_float_to_half(acc) : ddp_float_to_bf16(acc);
+}
+
 static void half_acc_rank(hworld *w, int r, void *arg) {
-    (void)arg;
+    const int ring = *(const int *)arg;
     for (int t = DDP_FLOAT16; t <= DDP_BFLOAT16; t++) {
         const ddp_dtype dt = (ddp_dtype)t;
         const float big = dt == DDP_FLOAT16 ? 2048.0f : 256.0f, want = big + (float)(w->n - 1);
@@ -256,7 +273,21 @@ static void half_acc_rank(hworld *w, int r, void *arg) {
             if (kinds[k] == DDP_COLL_REDUCE && r != 0) continue;
             uint16_t expect_bits = dt == DDP_FLOAT16 ? ddp_float_to_half(want) : ddp_float_to_bf16(want);
             T_ASSERT(expect_bits != (dt == DDP_FLOAT16 ? ddp_float_to_half(big) : ddp_float_to_bf16(big)));
-            for (int i = 0; i < CNT; i++) T_ASSERT(res[i] == expect_bits);
+            for (int i = 0; i < CNT; i++) {
+                if (ring && kinds[k] != DDP_COLL_REDUCE) {
+                    /* all_reduce: element i is in block i's ring block;
+                     * reduce_scatter: this rank's output is block r */
+                    size_t off, len;
+                    int b = r;
+                    for (int q = 0; kinds[k] == DDP_COLL_ALLREDUCE && q < w->n; q++) {
+                        ddp_coll_block(CNT, w->n, q, &off, &len);
+                        if ((size_t)i >= off && (size_t)i < off + len) b = q;
+                    }
+                    T_ASSERT(res[i] == ring_fold(dt, w->n, b, big));
+                } else {
+                    T_ASSERT(res[i] == expect_bits);
+                }
+            }
         }
     }
 }
@@ -303,12 +334,13 @@ static void test_accumulation_and_identity(void) {
         for (int n = 3; n <= 4; n++) {
             hworld w;
             hworld_init(&w, n, paths[p][0], paths[p][1]);
-            if (n == 4) hrun(&w, half_acc_rank, NULL);
+            int ring = p > 0;
+            if (n == 4) hrun(&w, half_acc_rank, &ring);
             hrun(&w, identity_rank, NULL);
             hworld_free(&w);
         }
     }
-    printf("float32 accumulation, identical results: ok\n");
+    printf("half-precision accumulation, identical results: ok\n");
 }
 
 int main(void) {
