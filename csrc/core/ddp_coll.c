@@ -1,7 +1,7 @@
 /* ddp_coll.c - entry points of ddp_coll.h: argument validation, the choice
  * between the latency path (one message per peer) and the bandwidth path
- * (header exchange, then ring / chain / direct algorithms), and the group's
- * scratch memory. The algorithms live in ddp_coll_small.c, ddp_coll_ring.c
+ * (header exchange, then ring / chain / direct algorithms, or the
+ * hierarchical ones across hosts), and the group's scratch memory. The algorithms live in ddp_coll_small.c, ddp_coll_ring.c
  * and ddp_coll_root.c; the header exchange in ddp_coll_xchg.c.
  */
 #include "ddp_coll_internal.h"
@@ -186,8 +186,9 @@ ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     if (a->kind == DDP_COLL_ALLTOALL) return ddp_coll_a2a_run(g, a, w);
     if (a->kind == DDP_COLL_P2P_BATCH) return ddp_coll_batch_run(g, a, w);
     const int small = a->kind == DDP_COLL_BARRIER || call_bytes(g, a) <= g->small_bytes;
-    const ddp_coll_hdr h =
-        ddp_coll_hdr_make(g, a, small ? DDP_COLL_PATH_SMALL : DDP_COLL_PATH_LARGE);
+    const int path = small ? DDP_COLL_PATH_SMALL
+                           : ddp_coll_hier_applies(g, a) ? DDP_COLL_PATH_HIER : DDP_COLL_PATH_LARGE;
+    const ddp_coll_hdr h = ddp_coll_hdr_make(g, a, path);
     ddp_status st;
     if (!is_p2p(a->kind)) g->seq++; /* send/recv involve two ranks only */
     if (small) {
@@ -196,7 +197,8 @@ ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
         ddp_coll_xchg x = {.peer = is_p2p(a->kind) ? a->root : -1, .sto = -1, .rfrom = -1};
         ddp_coll_xres res;
         st = ddp_coll_exchange(g, &h, &x, w, &res);
-        if (st == DDP_OK) st = run_large(g, a, w);
+        if (st == DDP_OK) st = path == DDP_COLL_PATH_HIER ? ddp_coll_hier_run(g, a, w)
+                                                          : run_large(g, a, w);
     }
     /* Keep scratch for the next call unless one huge call (e.g. float16
      * staging of a giant buffer) grew it far beyond the usual needs. */

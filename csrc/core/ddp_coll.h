@@ -89,7 +89,26 @@ typedef struct ddp_group {
     size_t scratch_len;
     size_t small_bytes;     /* messages up to this size take the latency path */
     size_t chunk_bytes;     /* pipeline chunk for the bandwidth path */
+    int algo;               /* DDP_ALGO_*: PYDDP_ALGO */
+    int *host;              /* [size] host of each rank (0.. in order of first rank), or NULL */
+    int nhosts;             /* distinct hosts among the ranks (1 when host is NULL) */
+    struct ddp_hier *hier;  /* views for the hierarchical algorithms, built on first use */
 } ddp_group;
+
+/* Bandwidth-path algorithm choice (PYDDP_ALGO). */
+#define DDP_ALGO_AUTO 0
+#define DDP_ALGO_FLAT 1
+#define DDP_ALGO_HIER 2
+
+/* Set g's layout from each rank's host identity (ids[r] for rank r; ranks
+ * with equal strings share a host) and its algorithm choice from
+ * PYDDP_ALGO (an unknown value warns once and means auto). Ranks are
+ * numbered by host in order of each host's first rank, so every rank
+ * computes the same numbering. DDP_ERR_NOMEM on failure (g unchanged). */
+ddp_status ddp_group_set_layout(ddp_group *g, const char *const *ids);
+
+/* Free what ddp_group_set_layout and the hierarchical views allocated. */
+void ddp_group_free_layout(ddp_group *g);
 
 /* Validate args against the group (before any communication): root range,
  * dtype/op combination, NULL buffers with nonzero count. DDP_ERR_INVALID or

@@ -7,7 +7,9 @@
  * (header codec, mismatch check, exchange), ddp_coll_small.c (latency path),
  * ddp_coll_ring.c (ring reduce-scatter / all-gather), ddp_coll_root.c
  * (broadcast, reduce, gather, scatter, send/recv on the bandwidth path),
- * ddp_coll_a2a.c (all_to_all), ddp_coll_batch.c (batched send/recv).
+ * ddp_coll_a2a.c (all_to_all), ddp_coll_batch.c (batched send/recv),
+ * ddp_coll_hier.c (hierarchical all-reduce, reduce-scatter, all-gather
+ * across hosts), ddp_coll_layout.c (which ranks share a host).
  */
 #ifndef DDP_COLL_INTERNAL_H
 #define DDP_COLL_INTERNAL_H
@@ -24,6 +26,7 @@
  * disagree would misread each other's streams, so it is in the header. */
 #define DDP_COLL_PATH_SMALL 1
 #define DDP_COLL_PATH_LARGE 2
+#define DDP_COLL_PATH_HIER 3 /* bandwidth path, hierarchical (ddp_coll_hier.c) */
 
 /* The header every collective exchanges, in host form. On the wire it is
  * these fields in this order, little-endian, 40 bytes (the codec in
@@ -130,6 +133,45 @@ static inline size_t ddp_coll_align(size_t n) { return (n + 63) & ~(size_t)63; }
 /* Latency path: the whole collective in one exchange. */
 ddp_status ddp_coll_small(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
                           ddp_wait w);
+
+/* Ring pieces over any group or view (the hierarchical algorithms run them
+ * on a host's ranks and on a rail): an in-place reduce-scatter of `count`
+ * elements of t, which must not need a wide wire type
+ * (ddp_coll_wire_wide), after which block g->rank (ddp_coll_block) holds
+ * the group's combination, unfinished (AVG not yet divided); and an
+ * in-place all-gather of the blocks of `count` elements of es bytes. */
+ddp_status ddp_coll_ring_rs_inplace(ddp_group *g, ddp_dtype t, ddp_redop op, void *data,
+                                    size_t count, ddp_wait w);
+ddp_status ddp_coll_ring_ag_inplace(ddp_group *g, void *data, size_t count, size_t es,
+                                    ddp_wait w);
+
+/* A group's hosts seen by the hierarchical algorithms (ddp_coll_layout.c):
+ * hosts are numbered 0..nhosts-1 in order of their first rank, a rank's
+ * local index is its position among its host's ranks in rank order. */
+typedef struct ddp_hier {
+    int uniform;      /* every host has per_host ranks */
+    int per_host;     /* ranks on this rank's host */
+    int lrank;        /* this rank's local index */
+    int myhost;       /* this rank's host */
+    int *local_ranks; /* [per_host] group rank of each local index on this host */
+    int *rail_ranks;  /* [nhosts] the rail's rank on host k: local index lrank
+                       * (uniform) or 0 (otherwise: the hosts' leaders) */
+    int *rank_at;     /* uniform: [nhosts*per_host] group rank of (host k, index j) at
+                       * k*per_host + j; NULL otherwise */
+    ddp_group local;  /* view over this host's ranks (rank lrank) */
+    ddp_group rail;   /* view over the rail (rank myhost); used only by rail members */
+    ddp_link **links; /* the two views' link arrays */
+} ddp_hier;
+
+/* Point the views' links at g's current links (before each use). */
+void ddp_hier_refresh(ddp_group *g);
+
+/* Hierarchical algorithms (ddp_coll_hier.c). ddp_coll_hier_applies says
+ * whether a call on g takes them (from the layout, the kind, the dtype and
+ * PYDDP_ALGO: the same answer on every rank given the same settings);
+ * ddp_coll_hier_run runs one after the header exchange. */
+int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a);
+ddp_status ddp_coll_hier_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 
 /* Bandwidth path, run after a header-only exchange. */
 ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w);

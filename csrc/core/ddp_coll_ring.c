@@ -86,6 +86,23 @@ static ddp_status ring_all_gather(ddp_group *g, char *data, size_t count, size_t
     return DDP_OK;
 }
 
+ddp_status ddp_coll_ring_rs_inplace(ddp_group *g, ddp_dtype t, ddp_redop op, void *data,
+                                    size_t count, ddp_wait w) {
+    if (g->size == 1 || count == 0) return DDP_OK;
+    const size_t es = ddp_dtype_size(t), chunk = ddp_coll_chunk_elems(g, es) * es;
+    void *mem;
+    ddp_status st = ddp_coll_scratch(g, chunk, &mem);
+    if (st != DDP_OK) return st;
+    ring_rs p = {.t = t, .op = op, .wes = es, .count = count, .src = data, .inplace = data,
+                 .rtmp = mem};
+    return ring_reduce_scatter(g, &p, w);
+}
+
+ddp_status ddp_coll_ring_ag_inplace(ddp_group *g, void *data, size_t count, size_t es,
+                                    ddp_wait w) {
+    return g->size == 1 || count == 0 ? DDP_OK : ring_all_gather(g, data, count, es, w);
+}
+
 ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     const int n = g->size, me = g->rank, wide = ddp_coll_wire_wide(a->dtype, a->op);
     const size_t es = ddp_dtype_size(a->dtype), wes = ddp_coll_wire_size(a->dtype, a->op);

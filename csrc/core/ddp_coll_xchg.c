@@ -146,6 +146,16 @@ static int same_call(const ddp_coll_hdr *a, const ddp_coll_hdr *b) {
 }
 
 /* DDP_ERR_MISMATCH naming the two ranks (lower first) and their calls. */
+/* The algorithm family a header's path byte names, for messages. */
+static const char *path_name(int path) {
+    switch (path) {
+    case DDP_COLL_PATH_SMALL: return "latency path";
+    case DDP_COLL_PATH_LARGE: return "flat ring/chain";
+    case DDP_COLL_PATH_HIER: return "hierarchical";
+    }
+    return "unknown algorithm";
+}
+
 static ddp_status mismatch(int ra, const ddp_coll_hdr *a, int rb, const ddp_coll_hdr *b) {
     char da[160], db[160];
     if (ra > rb) {
@@ -160,9 +170,10 @@ static ddp_status mismatch(int ra, const ddp_coll_hdr *a, int rb, const ddp_coll
                          "called %s; every rank must make the same collective calls (same count, "
                          "dtype, op and root) in the same order", ra, da, rb, db);
     if (a->path != b->path)
-        return ddp_error(DDP_ERR_MISMATCH, "ranks %d and %d chose different algorithms for %s: "
-                         "the small-message threshold (PYDDP_SMALL_BYTES) must be the same on "
-                         "every rank", ra, rb, da);
+        return ddp_error(DDP_ERR_MISMATCH, "ranks %d and %d chose different algorithms for %s "
+                         "(rank %d: %s, rank %d: %s): the small-message threshold "
+                         "(PYDDP_SMALL_BYTES) and PYDDP_ALGO must be the same on every rank",
+                         ra, rb, da, ra, path_name(a->path), rb, path_name(b->path));
     return ddp_error(DDP_ERR_MISMATCH, "collective mismatch: rank %d is at collective #%llu, "
                      "%s, but rank %d is at collective #%llu, %s; every rank must make the same "
                      "collective calls in the same order", ra, (unsigned long long)a->seq + 1, da,

@@ -380,13 +380,21 @@ const char *ddp_comm_host_id(const ddp_comm *c, int r) {
 
 /* ---- creation, subgroups, lifetimes ----------------------------------- */
 
-static void group_init(ddp_comm *c, uint64_t tag) {
+/* The algorithms' view of c: its links, tag, tuning settings and which of
+ * its ranks share a host (from the root's rendezvous). */
+static ddp_status group_init(ddp_comm *c, uint64_t tag) {
     c->group.rank = c->rank;
     c->group.size = c->size;
     c->group.links = c->links;
     c->group.tag = tag;
     c->group.small_bytes = (size_t)ddp_setting_int("PYDDP_SMALL_BYTES");
     c->group.chunk_bytes = (size_t)ddp_setting_int("PYDDP_CHUNK_BYTES");
+    const char **ids = calloc((size_t)c->size, sizeof *ids);
+    if (ids == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
+    for (int r = 0; r < c->size; r++) ids[r] = c->root->host_ids[ddp_comm_world_rank(c, r)];
+    ddp_status st = ddp_group_set_layout(&c->group, ids);
+    free(ids);
+    return st;
 }
 
 static ddp_status comm_alloc(const ddp_comm_config *cfg, ddp_comm **out) {
@@ -419,7 +427,7 @@ ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store, ddp_com
     ddp_status st;
     DDP_CHECK(comm_alloc(cfg, &c), fail);
     DDP_CHECK(ddp_comm_bootstrap(c, cfg, store), fail);
-    group_init(c, ddp_comm_hash(cfg->prefix));
+    DDP_CHECK(group_init(c, ddp_comm_hash(cfg->prefix)), fail);
     if (pthread_create(&c->worker, NULL, worker_main, c) != 0) {
         st = ddp_error(DDP_ERR_SYS, "could not start the communication thread: %s", strerror(errno));
         goto fail;
@@ -475,7 +483,11 @@ ddp_status ddp_comm_subgroup(ddp_comm *parent, int n, const int *ranks, uint64_t
     c->root = root;
     atomic_init(&c->refs, 1);
     ddp_comm_retain(root);
-    group_init(c, tag);
+    ddp_status st = group_init(c, tag);
+    if (st != DDP_OK) {
+        ddp_comm_release(c);
+        return st;
+    }
     *out = c;
     return DDP_OK;
 }
@@ -487,6 +499,7 @@ void ddp_comm_retain(ddp_comm *c) {
 /* Free what a root or subgroup owns; the engine is already stopped. */
 static void comm_free(ddp_comm *c) {
     ddp_group_release_scratch(&c->group);
+    ddp_group_free_layout(&c->group);
     if (c->members) {           /* a subgroup: links and strings are borrowed */
         ddp_comm *root = c->root;
         free(c->members);

@@ -68,6 +68,10 @@ static const ddp_setting_decl table[] = {
      "messages up to this size take the latency path (one exchange, no chunking)"},
     {"PYDDP_CHUNK_BYTES", DDP_SETTING_BYTES, "262144", 256 * KIB, 1, GIB, CORE,
      "pipeline chunk of the bandwidth path"},
+    {"PYDDP_ALGO", DDP_SETTING_STRING, "auto", 0, 0, 0, CORE,
+     "bandwidth-path algorithm across hosts: `auto` (hierarchical when the group spans "
+     "several hosts and some host has several of its ranks, else the flat ring), `flat` or "
+     "`hier` (forced, where the layout allows it; for tests and benchmarks)"},
     {"PYDDP_SOCKET_BUFFER_BYTES", DDP_SETTING_BYTES, NULL, 0, 0, GIB, CORE,
      "fixed `SO_SNDBUF`/`SO_RCVBUF` for data connections; unset leaves the kernel's buffer "
      "autotuning on (usually best)"},

@@ -156,7 +156,8 @@ static void test_sequence_and_path_mismatch(void) {
     hworld_init(&w, 3, 1 << 20, 256);
     w.g[2].small_bytes = 0;
     run_mismatch(&w, calls, "ranks 0 and 2 chose different algorithms for all_reduce(count=100, "
-                            "float32, sum): the small-message threshold (PYDDP_SMALL_BYTES)");
+                            "float32, sum) (rank 0: latency path, rank 2: flat ring/chain): the "
+                            "small-message threshold (PYDDP_SMALL_BYTES)");
     printf("sequence and path mismatch: ok\n");
 }
 

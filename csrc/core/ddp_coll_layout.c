@@ -1,0 +1,139 @@
+/* ddp_coll_layout.c - which ranks of a group share a host, and the views of
+ * the group that the hierarchical algorithms run on (ddp_coll_hier.c).
+ *
+ * A view is a ddp_group over some of the group's ranks: its own rank, size,
+ * link array (pointers into the group's links, refreshed before each use
+ * because the communicator may replace a link, e.g. TCP by shared memory)
+ * and its own scratch. Views never exchange headers: the call's header was
+ * checked on the whole group before any view moves data.
+ */
+#include "ddp_coll_internal.h"
+#include "ddp_settings.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* PYDDP_ALGO as a DDP_ALGO_* value; an unknown value warns once (per
+ * process) and means auto. */
+static int algo_setting(void) {
+    static int warned;
+    const char *v = ddp_setting_str("PYDDP_ALGO");
+    if (v == NULL || strcmp(v, "auto") == 0) return DDP_ALGO_AUTO;
+    if (strcmp(v, "flat") == 0 || strcmp(v, "ring") == 0) return DDP_ALGO_FLAT;
+    if (strcmp(v, "hier") == 0 || strcmp(v, "hierarchical") == 0) return DDP_ALGO_HIER;
+    if (!warned) {
+        warned = 1;
+        fprintf(stderr, "pyddp: warning: ignoring PYDDP_ALGO='%s': expected auto, flat or "
+                "hier; using auto\n", v);
+    }
+    return DDP_ALGO_AUTO;
+}
+
+void ddp_group_free_layout(ddp_group *g) {
+    ddp_hier *h = g->hier;
+    if (h) {
+        ddp_group_release_scratch(&h->local);
+        ddp_group_release_scratch(&h->rail);
+        free(h->local_ranks);
+        free(h->rail_ranks);
+        free(h->rank_at);
+        free(h->links);
+        free(h);
+    }
+    free(g->host);
+    g->hier = NULL;
+    g->host = NULL;
+    g->nhosts = 1;
+}
+
+/* Build g->hier from g->host (nhosts >= 2). */
+static ddp_status build_views(ddp_group *g) {
+    const int n = g->size, nh = g->nhosts, me = g->rank;
+    ddp_hier *h = calloc(1, sizeof *h);
+    int *count = calloc((size_t)nh, sizeof *count);
+    if (!h || !count) goto nomem;
+    for (int r = 0; r < n; r++) count[g->host[r]]++;
+    h->myhost = g->host[me];
+    h->per_host = count[h->myhost];
+    h->uniform = 1;
+    for (int k = 0; k < nh; k++) h->uniform &= count[k] == count[0];
+    h->local_ranks = calloc((size_t)h->per_host, sizeof *h->local_ranks);
+    h->rail_ranks = calloc((size_t)nh, sizeof *h->rail_ranks);
+    h->links = calloc((size_t)(h->per_host + nh), sizeof *h->links);
+    if (h->uniform) h->rank_at = calloc((size_t)n, sizeof *h->rank_at);
+    if (!h->local_ranks || !h->rail_ranks || !h->links || (h->uniform && !h->rank_at))
+        goto nomem;
+    /* local index of every rank = how many earlier ranks share its host */
+    memset(count, 0, (size_t)nh * sizeof *count);
+    for (int r = 0; r < n; r++) {
+        const int k = g->host[r], j = count[k]++;
+        if (k == h->myhost) h->local_ranks[j] = r;
+        if (r == me) h->lrank = j;
+        if (h->rank_at) h->rank_at[k * h->per_host + j] = r;
+    }
+    /* the rail: local index lrank on every host (uniform), else every host's
+     * first rank; position k is host k */
+    memset(count, 0, (size_t)nh * sizeof *count);
+    const int want = h->uniform ? h->lrank : 0;
+    for (int r = 0; r < n; r++)
+        if (count[g->host[r]]++ == want) h->rail_ranks[g->host[r]] = r;
+    free(count);
+    ddp_group *views[2] = {&h->local, &h->rail};
+    for (int v = 0; v < 2; v++) {
+        views[v]->tag = g->tag;
+        views[v]->small_bytes = g->small_bytes;
+        views[v]->chunk_bytes = g->chunk_bytes;
+        views[v]->algo = DDP_ALGO_FLAT;
+        views[v]->nhosts = 1;
+    }
+    h->local.rank = h->lrank;
+    h->local.size = h->per_host;
+    h->local.links = h->links;
+    h->rail.rank = h->myhost;
+    h->rail.size = nh;
+    h->rail.links = h->links + h->per_host;
+    g->hier = h;
+    return DDP_OK;
+nomem:
+    free(count);
+    if (h) {
+        free(h->local_ranks);
+        free(h->rail_ranks);
+        free(h->rank_at);
+        free(h->links);
+        free(h);
+    }
+    return ddp_error(DDP_ERR_NOMEM, "out of memory describing the group's hosts");
+}
+
+ddp_status ddp_group_set_layout(ddp_group *g, const char *const *ids) {
+    const int n = g->size;
+    int *host = malloc((size_t)n * sizeof *host);
+    if (!host) return ddp_error(DDP_ERR_NOMEM, "out of memory describing the group's hosts");
+    int nh = 0;
+    for (int r = 0; r < n; r++) {
+        host[r] = -1;
+        for (int q = 0; q < r && host[r] < 0; q++)
+            if (ids[q] && ids[r] && strcmp(ids[q], ids[r]) == 0) host[r] = host[q];
+        if (host[r] < 0) host[r] = nh++;
+    }
+    ddp_group_free_layout(g);
+    g->algo = algo_setting();
+    g->host = host;
+    g->nhosts = nh;
+    if (nh < 2) return DDP_OK;
+    ddp_status st = build_views(g);
+    if (st != DDP_OK) {
+        free(g->host);
+        g->host = NULL;
+        g->nhosts = 1;
+    }
+    return st;
+}
+
+void ddp_hier_refresh(ddp_group *g) {
+    ddp_hier *h = g->hier;
+    for (int j = 0; j < h->per_host; j++) h->local.links[j] = g->links[h->local_ranks[j]];
+    for (int k = 0; k < g->nhosts; k++) h->rail.links[k] = g->links[h->rail_ranks[k]];
+}

@@ -1,0 +1,192 @@
+/* test_coll_hier.c - the hierarchical algorithms (ddp_coll_hier.c) against a
+ * double-precision reference, on threads as ranks with hosts made up by
+ * giving each rank a host identity: equal and unequal hosts, contiguous and
+ * interleaved rank layouts, counts that do not divide evenly, forced and
+ * automatic choice. Checks which algorithm each call takes, that every rank
+ * ends with the same bytes, that integer results are exact, and that a rank
+ * forced onto another algorithm is a mismatch on every rank, not a wrong
+ * answer.
+ */
+#define H_MAXR 6
+#include <math.h>
+#include "coll_harness.h"
+#include "coll_values.h"
+#include "ddp_coll_internal.h"
+
+typedef struct layout {
+    const char *name;
+    int n;
+    int host[H_MAXR];
+    int uniform;
+} layout;
+
+static const layout layouts[] = {
+    {"2x2 contiguous", 4, {0, 0, 1, 1}, 1},
+    {"2x2 interleaved", 4, {0, 1, 0, 1}, 1},
+    {"2x3", 6, {0, 0, 0, 1, 1, 1}, 1},
+    {"3x2", 6, {0, 0, 1, 1, 2, 2}, 1},
+    {"3x2 interleaved", 6, {0, 1, 2, 0, 1, 2}, 1},
+    {"2+1", 3, {0, 0, 1}, 0},
+    {"1+2", 3, {0, 1, 1}, 0},
+    {"3+1+2", 6, {0, 0, 0, 1, 2, 2}, 0},
+    {"1 per host", 3, {0, 1, 2}, 1},
+};
+
+/* Input element j of rank r: small integers, exact in every type used. */
+static double input(int r, size_t j) { return (double)((int)((j * 7 + (size_t)r * 13) % 23) - 11); }
+
+static double ref(ddp_redop op, int n, size_t j) {
+    double acc = input(0, j);
+    for (int r = 1; r < n; r++) {
+        double v = input(r, j);
+        if (op == DDP_MAX) acc = v > acc ? v : acc;
+        else acc += v;
+    }
+    return op == DDP_AVG ? acc / n : acc;
+}
+
+typedef struct hcase {
+    ddp_coll_kind kind;
+    ddp_dtype t;
+    ddp_redop op;
+    size_t count;
+} hcase;
+
+static const hcase cases[] = {
+    {DDP_COLL_ALLREDUCE, DDP_FLOAT32, DDP_SUM, 10007},
+    {DDP_COLL_ALLREDUCE, DDP_FLOAT32, DDP_AVG, 4099},
+    {DDP_COLL_ALLREDUCE, DDP_FLOAT64, DDP_MAX, 3},
+    {DDP_COLL_ALLREDUCE, DDP_INT32, DDP_SUM, 777},
+    {DDP_COLL_ALLREDUCE, DDP_BFLOAT16, DDP_SUM, 5000},
+    {DDP_COLL_ALLREDUCE, DDP_INT64, DDP_AVG, 100},   /* wide: stays on the flat ring */
+    {DDP_COLL_REDUCE_SCATTER, DDP_FLOAT32, DDP_SUM, 1001},
+    {DDP_COLL_REDUCE_SCATTER, DDP_INT32, DDP_AVG, 5}, /* wide: flat */
+    {DDP_COLL_REDUCE_SCATTER, DDP_FLOAT16, DDP_AVG, 333},
+    {DDP_COLL_ALLGATHER, DDP_INT8, DDP_SUM, 4097},
+    {DDP_COLL_ALLGATHER, DDP_FLOAT64, DDP_SUM, 1},
+};
+
+typedef struct hctx {
+    const layout *lay;
+    int algo;
+} hctx;
+
+static int expect_hier(const hctx *x, const hcase *c) {
+    if (x->algo == DDP_ALGO_FLAT) return 0;
+    if (c->t == DDP_INT64 || (c->t == DDP_INT32 && c->op == DDP_AVG)) return 0;
+    int nh = 0;
+    for (int r = 0; r < x->lay->n; r++) nh = x->lay->host[r] + 1 > nh ? x->lay->host[r] + 1 : nh;
+    if (x->algo == DDP_ALGO_AUTO && nh == x->lay->n) return 0;
+    return c->kind == DDP_COLL_ALLREDUCE || x->lay->uniform;
+}
+
+static void check_value(const hcase *c, double got, double want, int n) {
+    double tol = 0;
+    if (c->t == DDP_FLOAT32) tol = 1e-5 * n * 11;
+    if (c->t == DDP_BFLOAT16 || c->t == DDP_FLOAT16) tol = 0.02 * n * 11;
+    if ((c->t == DDP_INT32 || c->t == DDP_INT64) && c->op == DDP_AVG) want = floor(want);
+    if (fabs(got - want) > tol) {
+        fprintf(stderr, "%s %s %s count %zu: got %g, want %g\n", ddp_coll_name(c->kind), ddp_dtype_name(c->t), ddp_redop_name(c->op), c->count, got, want);
+        T_ASSERT(0);
+    }
+}
+
+static void hier_rank(hworld *w, int r, void *arg) {
+    const hctx *x = arg;
+    const int n = w->n;
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const hcase *c = &cases[ci];
+        const size_t es = ddp_dtype_size(c->t), total = c->count * (size_t)n;
+        char *in = malloc(total * es), *out = malloc(total * es);
+        T_ASSERT(in && out);
+        ddp_coll_args a = {.kind = c->kind, .dtype = c->t, .op = c->op, .count = c->count,
+                           .buf = in, .sendbuf = in, .recvbuf = out};
+        size_t nin = c->kind == DDP_COLL_ALLGATHER ? c->count : c->kind == DDP_COLL_ALLREDUCE
+                                                                  ? c->count : total;
+        for (size_t j = 0; j < nin; j++) put(c->t, in, j, input(r, j));
+        T_ASSERT(ddp_coll_hier_applies(&w->g[r], &a) == expect_hier(x, c));
+        T_OK(hcoll(w, r, &a));
+        const char *res = c->kind == DDP_COLL_ALLREDUCE ? in : out;
+        size_t nres = c->kind == DDP_COLL_ALLGATHER ? total : c->count;
+        for (size_t j = 0; j < nres; j++) {
+            if (c->kind == DDP_COLL_ALLGATHER) {
+                T_ASSERT(get(c->t, res, j) == input((int)(j / c->count), j % c->count));
+            } else {
+                size_t jj = c->kind == DDP_COLL_REDUCE_SCATTER ? (size_t)r * c->count + j : j;
+                check_value(c, get(c->t, res, j), ref(c->op, n, jj), n);
+            }
+        }
+        if (c->kind == DDP_COLL_ALLREDUCE) { /* the same bytes on every rank */
+            w->shared[r] = in;
+            pthread_barrier_wait(&w->bar);
+            for (int q = 0; q < n; q++) T_ASSERT(memcmp(in, w->shared[q], c->count * es) == 0);
+            pthread_barrier_wait(&w->bar);
+        }
+        free(in);
+        free(out);
+    }
+}
+
+static void set_hosts(hworld *w, const layout *lay, const int *algo) {
+    const char *ids[H_MAXR];
+    static const char *names[] = {"host-a", "host-b", "host-c"};
+    for (int r = 0; r < lay->n; r++) ids[r] = names[lay->host[r]];
+    for (int r = 0; r < lay->n; r++) {
+        T_OK(ddp_group_set_layout(&w->g[r], ids));
+        w->g[r].algo = algo[r];
+    }
+}
+
+static void test_layouts(void) {
+    for (size_t li = 0; li < sizeof layouts / sizeof *layouts; li++) {
+        for (int algo = DDP_ALGO_AUTO; algo <= DDP_ALGO_HIER; algo++) {
+            for (int chunk = 0; chunk < 2; chunk++) {
+                const layout *lay = &layouts[li];
+                hworld w;
+                /* everything on the bandwidth path; small and large chunks */
+                hworld_init(&w, lay->n, 0, chunk ? 1u << 20 : 1000);
+                int algos[H_MAXR];
+                for (int r = 0; r < lay->n; r++) algos[r] = algo;
+                set_hosts(&w, lay, algos);
+                hctx x = {lay, algo};
+                hrun(&w, hier_rank, &x);
+                for (int r = 0; r < lay->n; r++) ddp_group_free_layout(&w.g[r]);
+                hworld_free(&w);
+            }
+        }
+        printf("layout %s: ok\n", layouts[li].name);
+    }
+}
+
+/* Rank 0 forced flat while the others go hierarchical: every rank reports
+ * the mismatch, naming both algorithms. */
+static void mismatch_rank(hworld *w, int r, void *arg) {
+    (void)arg;
+    float buf[1000];
+    for (int i = 0; i < 1000; i++) buf[i] = (float)r;
+    ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                       .count = 1000, .buf = buf};
+    T_STATUS(hcoll(w, r, &a), DDP_ERR_MISMATCH);
+    if (!strstr(ddp_last_error(), "PYDDP_ALGO") || !strstr(ddp_last_error(), "hierarchical")) {
+        fprintf(stderr, "rank %d: %s\n", r, ddp_last_error());
+        T_ASSERT(0);
+    }
+}
+
+static void test_mismatch(void) {
+    hworld w;
+    hworld_init(&w, 4, 0, 1u << 16);
+    const int algos[4] = {DDP_ALGO_FLAT, DDP_ALGO_AUTO, DDP_ALGO_AUTO, DDP_ALGO_HIER};
+    set_hosts(&w, &layouts[0], algos);
+    hrun(&w, mismatch_rank, NULL);
+    for (int r = 0; r < 4; r++) ddp_group_free_layout(&w.g[r]);
+    hworld_free(&w);
+    printf("algorithm mismatch: ok\n");
+}
+
+int main(void) {
+    test_layouts();
+    test_mismatch();
+    printf("test_coll_hier: ok\n");
+    return 0;
+}
