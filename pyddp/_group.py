@@ -130,16 +130,17 @@ class Group:
             log.debug("pyddp: NCCL_SOCKET_IFNAME=%s (the interface of %s, which routes to "
                       "the master)", ifname, addr)
 
-    def subgroup(self, ranks, name, backend=None, timeout_s=None):
+    def subgroup(self, ranks, name, backend=None, timeout_s=None, algo=-1):
         """A subgroup of this group's global ranks ``ranks``: member-only (only the
-        members call it, all with the same name) and without communication."""
+        members call it, all with the same name) and without communication. algo: the
+        bandwidth-path algorithm code (_ALGOS), -1 for PYDDP_ALGO."""
         ranks = sorted(int(r) for r in ranks)
         if len(set(ranks)) != len(ranks):
             raise _C.DistValueError(f"new_group: ranks {ranks} has duplicates")
         idx = [self.group_rank(r, "ranks entry") for r in ranks]
         prefix = f"{self._prefix}/g/{name}"
         tag = _fnv(prefix)        # the same on every member: a hash of the key prefix
-        sub = self.pg("new_group").subgroup(idx, tag)
+        sub = self.pg("new_group").subgroup(idx, tag, algo)
         g = Group(sub, ranks, self.backend if backend is None else backend, self._store,
                   prefix, self._timeout_s if timeout_s is None else timeout_s,
                   self._world_rank)
@@ -235,6 +236,28 @@ def get_group_rank(group, global_rank):
     return _resolve(group).group_rank(global_rank)
 
 
+# pg_options={"algo": ...} of new_group: the C core's DDP_ALGO_* codes
+_ALGOS = {"auto": 0, "flat": 1, "hier": 2}
+
+
+def _options_algo(pg_options):
+    """The algorithm code pg_options asks for (-1: PYDDP_ALGO). pg_options is None or a
+    dict; its "algo" is "auto", "flat" or "hier" (other keys are left to the torch
+    backend)."""
+    if pg_options is None:
+        return -1
+    if not isinstance(pg_options, dict):
+        raise _C.DistValueError(f"new_group: pg_options must be a dict such as "
+                                f"{{'algo': 'flat'}}, not {type(pg_options).__name__}")
+    algo = pg_options.get("algo")
+    if algo is None:
+        return -1
+    if algo not in _ALGOS:
+        raise _C.DistValueError(f"new_group: pg_options algo={algo!r}: use one of "
+                                f"{', '.join(_ALGOS)}")
+    return _ALGOS[algo]
+
+
 def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
               use_local_synchronization=False, group_desc=None, device_id=None):
     """A group of the global ranks ``ranks`` (default: all), as torch's new_group: every
@@ -242,7 +265,9 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     (they get a handle whose rank is -1 and on which collectives raise). It runs on the
     default group's connections, so making one costs no communication. timeout: the
     default deadline of its collectives (default: the default group's). backend: "cpu"
-    ("gloo") or "nccl"/None (GPU arrays use NCCL, set up for this group on first use)."""
+    ("gloo") or "nccl"/None (GPU arrays use NCCL, set up for this group on first use).
+    pg_options: None, or {"algo": "auto" | "flat" | "hier"} to choose this group's
+    bandwidth-path algorithm instead of PYDDP_ALGO (the same on every member)."""
     world = _require()
     n = _State.groups_made
     _State.groups_made += 1
@@ -254,13 +279,14 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
             raise _C.DistValueError(f"new_group: rank {r} is out of range for world size "
                                     f"{world.size}")
     be = None if backend is None else _pick_backend(backend, check=False)
+    algo = _options_algo(pg_options)
     timeout_s = _env.timeout_seconds(timeout) if timeout is not None else world._timeout_s
     if world.rank not in ranks:
         g = Group(None, ranks, be or world.backend, world._store, None, timeout_s,
                   world.rank)
         g.backend_name = world.backend_name if be is None else _asked_name(backend)
         return g
-    g = world.subgroup(ranks, str(n), be, timeout_s)
+    g = world.subgroup(ranks, str(n), be, timeout_s, algo)
     if be is not None:
         g.backend_name = _asked_name(backend)
     return g

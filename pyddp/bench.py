@@ -40,6 +40,11 @@ NP_REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.ma
              "avg": np.add}
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 CHECK_SLICE = 1 << 22   # elements compared per step, so checks of 256 MiB stay small
+# Bytes each host must send at least, per byte of the collective's size, for h hosts
+# (h >= 2): what bounds a row when the links between hosts are the limit.
+HOST_FACTOR = {"all_reduce": lambda h: 2 * (h - 1) / h, "all_gather": lambda h: (h - 1) / h,
+               "reduce_scatter": lambda h: (h - 1) / h, "broadcast": lambda h: 1.0}
+FLAT_GROUP = [None]     # --compare-flat: the all-ranks group with the flat ring forced
 
 
 def parse_size(text):
@@ -68,6 +73,10 @@ def parse_args(argv):
     p.add_argument("-c", "--check", type=int, default=1, help="check results (1) or not (0)")
     p.add_argument("--compare-gloo", action="store_true",
                    help="also run torch's gloo backend in the same processes, interleaved")
+    p.add_argument("--compare-flat", action="store_true",
+                   help="also time pyddp with the flat ring forced (a second group, "
+                   "pg_options={'algo': 'flat'}), alternating with the default choice, and "
+                   "print the bandwidth the host links allow for each row")
     p.add_argument("--tcp-stream", action="store_true",
                    help="measure one plain TCP stream to rank 0 first (yardstick)")
     p.add_argument("--stream-bytes", type=parse_size, default=1 << 30,
@@ -169,17 +178,20 @@ class Case:
         self.tbufs = None
 
     def run(self, backend):
-        big, small = self.bufs if backend == "pyddp" else self.tbufs
-        m = dist if backend == "pyddp" else self.tdist
+        """One call on backend "pyddp" (the default group), "flat" (pyddp with the
+        flat ring forced: FLAT_GROUP) or "gloo"."""
+        big, small = self.tbufs if backend == "gloo" else self.bufs
+        m = self.tdist if backend == "gloo" else dist
+        kw = {"group": FLAT_GROUP[0]} if backend == "flat" else {}
         op = getattr(m.ReduceOp, REDOPS[self.op]) if self.op else None
         if self.name == "all_reduce":
-            m.all_reduce(big, op=op)
+            m.all_reduce(big, op=op, **kw)
         elif self.name == "all_gather":
-            m.all_gather_into_tensor(big, small)
+            m.all_gather_into_tensor(big, small, **kw)
         elif self.name == "reduce_scatter":
-            m.reduce_scatter_tensor(small, big, op=op)
+            m.reduce_scatter_tensor(small, big, op=op, **kw)
         else:
-            m.broadcast(big, src=0)
+            m.broadcast(big, src=0, **kw)
 
     def attach_torch(self, tdist):
         import torch
@@ -322,24 +334,40 @@ def init_gloo(rank, world):
     return tdist
 
 
-def header(args, world, compare, stream):
-    lines = [f"# pyddp.bench: {world} ranks, dtype {args.datatype}, op {args.op}, "
-             f"{args.rounds} rounds per size (median), host {socket.gethostname()}, "
+def header(args, world, backends, stream, hosts):
+    lines = [f"# pyddp.bench: {world} ranks on {hosts} host(s), dtype {args.datatype}, op "
+             f"{args.op}, {args.rounds} rounds per size (median), host {socket.gethostname()}, "
              f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}"]
     if stream:
         lines.append(f"# single TCP stream rank {args.stream_peer} -> rank 0: {stream:.3f} GB/s")
+    if "flat" in backends:
+        lines.append("# pyddp: the algorithm pyddp picks (PYDDP_ALGO, default auto); flat: the "
+                     "flat ring forced")
+    if stream and hosts > 1:
+        lines.append("# bound: the busbw at which each host sends the least it must "
+                     "(2(h-1)/h of the size for all_reduce) at the single-stream rate")
     cols = f"{'collective':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}"
     side = f" {'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
-    pct = " %stream" if stream else ""
-    if compare:
-        lines.append(f"#{'':58} |{'pyddp':^33}|{'gloo':^33}|")
-        lines.append("#" + cols[1:] + " |" + side + " |" + side + " |  ratio" + pct)
-        lines.append(f"#{'':58} |{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}{'':7}|"
-                     f"{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}")
+    units = f"{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}{'':7}"
+    extra = "".join(f" {b + '/gloo':>10}" for b in backends if b != "gloo" and "gloo" in backends)
+    extra += " %stream" if stream else ""
+    extra += f" {'bound':>7}" if stream and hosts > 1 else ""
+    if len(backends) > 1:
+        lines.append(f"#{'':58} |" + "|".join(f"{b:^33}" for b in backends) + "|")
+        lines.append("#" + cols[1:] + " |" + " |".join(side for _ in backends) + " |" + extra)
+        lines.append(f"#{'':58} |" + "|".join(units for _ in backends) + "|")
     else:
-        lines.append("#" + cols[1:] + side + pct)
-        lines.append(f"#{'':58}{'(us)':>11}{'(GB/s)':>8}{'(GB/s)':>8}")
+        lines.append("#" + cols[1:] + side + extra)
+        lines.append(f"#{'':58}{units}")
     return "\n".join(lines)
+
+
+def count_hosts():
+    """How many distinct hosts (host identities) the job's ranks are on."""
+    from pyddp import _env
+    ids = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, _env.host_identity())
+    return len(set(ids))
 
 
 def main(argv=None):
@@ -351,9 +379,12 @@ def main(argv=None):
         raise SystemExit(f"--stream-peer {args.stream_peer} is not a rank of this "
                          f"{world}-rank job")
     stream = tcp_stream(args, rank, world) if args.tcp_stream else 0.0
-    backends = ["pyddp", "gloo"] if tdist else ["pyddp"]
+    hosts = count_hosts()
+    backends = ["pyddp"] + (["flat"] if args.compare_flat else []) + (["gloo"] if tdist else [])
+    if args.compare_flat:
+        FLAT_GROUP[0] = dist.new_group(pg_options={"algo": "flat"})
     if rank == 0:
-        print(header(args, world, bool(tdist), stream), flush=True)
+        print(header(args, world, backends, stream, hosts), flush=True)
     failed = 0
     for name in args.ops:
         for nbytes in sizes(args):
@@ -365,7 +396,7 @@ def main(argv=None):
             wrong = world_max(wrong)   # a wrong element anywhere counts
             failed += int(wrong[0] > 0)
             if rank == 0:
-                print(row(case, times, wrong, backends, world, stream), flush=True)
+                print(row(case, times, wrong, backends, world, stream, hosts), flush=True)
             del case
     if tdist:
         tdist.destroy_process_group()
@@ -375,7 +406,7 @@ def main(argv=None):
     return 1 if failed else 0
 
 
-def row(case, times, wrong, backends, world, stream):
+def row(case, times, wrong, backends, world, stream, hosts):
     root = 0 if case.name == "broadcast" else -1
     s = (f"{case.name:>14} {case.nbytes:>11} {case.count:>10} {case.dtype:>8} "
          f"{case.op or 'none':>5} {root:>4}")
@@ -387,9 +418,16 @@ def row(case, times, wrong, backends, world, stream):
         s += (" |" if len(backends) > 1 else "") + \
             f" {t * 1e6:>10.1f} {alg:>7.3f} {bus[b]:>7.3f} {int(wrong[i]):>6}"
     if len(backends) > 1:
-        s += f" | {bus['pyddp'] / bus['gloo']:>5.2f}x" if bus["gloo"] > 0 else " |      -"
+        s += " |"
+    for b in backends:
+        if b != "gloo" and "gloo" in backends:
+            s += f" {bus[b] / bus['gloo']:>9.2f}x" if bus["gloo"] > 0 else f" {'-':>10}"
     if stream:
         s += f" {100 * bus['pyddp'] / stream:>6.0f}%"
+    if stream and hosts > 1:
+        # time if each host sent only its minimum at the stream rate, as a busbw
+        t_min = HOST_FACTOR[case.name](hosts) * case.nbytes / (stream * 1e9)
+        s += f" {case.nbytes / t_min / 1e9 * BUSBW_FACTOR[case.name](world):>7.3f}"
     return s
 
 

@@ -160,8 +160,9 @@ def create_process_group(opts, pg_options=None):
         if parent is not None:
             # new_group under a pyddp default group: torch's global ranks are the
             # default group's, so the subgroup runs on its connections
+            algo = _group._options_algo(pg_options) if isinstance(pg_options, dict) else -1
             handle = parent.handle.subgroup(sorted(ranks), name, backend=backend,
-                                            timeout_s=timeout_s)
+                                            timeout_s=timeout_s, algo=algo)
         else:
             with _State.lock:
                 gen = _State.generation

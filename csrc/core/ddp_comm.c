@@ -492,6 +492,8 @@ ddp_status ddp_comm_subgroup(ddp_comm *parent, int n, const int *ranks, uint64_t
     return DDP_OK;
 }
 
+void ddp_comm_set_algo(ddp_comm *c, int algo) { c->group.algo = algo; }
+
 void ddp_comm_retain(ddp_comm *c) {
     if (c) atomic_fetch_add(&c->refs, 1);
 }

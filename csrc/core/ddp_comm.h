@@ -73,6 +73,12 @@ ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store,
 ddp_status ddp_comm_subgroup(ddp_comm *parent, int n, const int *ranks, uint64_t tag,
                              ddp_comm **out);
 
+/* Override PYDDP_ALGO for c's bandwidth-path collectives (DDP_ALGO_* of
+ * ddp_coll.h). Only before c's first collective; every member must pass
+ * the same value (ranks that differ get DDP_ERR_MISMATCH, never a wrong
+ * result). */
+void ddp_comm_set_algo(ddp_comm *c, int algo);
+
 /* Take / drop a reference that keeps c's memory valid (thread-safe). */
 void ddp_comm_retain(ddp_comm *c);
 void ddp_comm_release(ddp_comm *c);

@@ -11,7 +11,8 @@
  *              port_hi, timeout_ms, version, host_id)
  *   rendezvous (collective; Ctrl-C aborts it); store is held (a reference on
  *   its C client) for the whole rendezvous, so closing it meanwhile is safe.
- * subgroup(ranks, tag) -> ProcessGroup   member-only, no communication: a
+ * subgroup(ranks, tag[, algo]) -> ProcessGroup   member-only, no communication
+ *                                 (algo: DDP_ALGO_*, default PYDDP_ALGO): a
  *   view over this group's links for the group ranks `ranks` (increasing).
  * attach_nccl(store, prefix, device, timeout_ms, version)   collective
  * set_cuda_factory(fn)   fn() must attach NCCL (collective, every member)
@@ -122,7 +123,10 @@ static PyObject *pg_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static PyObject *pg_subgroup(PGObject *self, PyObject *args) {
     PyObject *ranks;
     unsigned long long tag;
-    if (!PyArg_ParseTuple(args, "OK", &ranks, &tag)) return NULL;
+    int algo = -1;
+    if (!PyArg_ParseTuple(args, "OK|i", &ranks, &tag, &algo)) return NULL;
+    if (algo < -1 || algo > DDP_ALGO_HIER)
+        return ddp_py_raise(DDP_ERR_INVALID, "algo must be -1 (PYDDP_ALGO) or 0..2");
     if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence of ints");
     if (fast == NULL) return NULL;
@@ -146,6 +150,7 @@ static PyObject *pg_subgroup(PGObject *self, PyObject *args) {
     ddp_status st = ddp_comm_subgroup(self->comm, (int)n, rk, (uint64_t)tag, &sub);
     PyMem_Free(rk);
     if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    if (algo >= 0) ddp_comm_set_algo(sub, algo);
     PGObject *g = (PGObject *)PGType->tp_alloc(PGType, 0);
     if (g == NULL) {
         ddp_comm_destroy(sub);
