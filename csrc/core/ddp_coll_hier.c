@@ -12,7 +12,9 @@
  * in parallel:
  *
  *   all_reduce      local reduce-scatter (slice j to local rank j), rail
- *                   all-reduce of slice j, local all-gather.
+ *                   all-reduce of slice j, local all-gather; pipelined
+ *                   over pieces of the buffer so the host and network
+ *                   stages overlap (ddp_coll_hier_pipe.c).
  *   reduce_scatter  the input regrouped so that local rank j's slice is the
  *                   blocks of rail j's ranks, local reduce-scatter, rail
  *                   reduce-scatter.
@@ -47,24 +49,6 @@ int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
     case DDP_COLL_REDUCE_SCATTER: case DDP_COLL_ALLGATHER: return h->uniform;
     default: return 0;
     }
-}
-
-/* Equal hosts: slice j of the buffer crosses the network on rail j. */
-static ddp_status allreduce_sliced(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
-    ddp_hier *h = g->hier;
-    const size_t es = ddp_dtype_size(a->dtype);
-    char *buf = a->buf;
-    size_t off, len, roff, rlen;
-    ddp_status st = ddp_coll_ring_rs_inplace(&h->local, a->dtype, a->op, buf, a->count, w);
-    if (st != DDP_OK) return st;
-    ddp_coll_block(a->count, h->per_host, h->lrank, &off, &len);
-    char *slice = buf + off * es;
-    if ((st = ddp_coll_ring_rs_inplace(&h->rail, a->dtype, a->op, slice, len, w)) != DDP_OK)
-        return st;
-    ddp_coll_block(len, g->nhosts, h->myhost, &roff, &rlen);
-    ddp_coll_wire_store(a->dtype, a->op, slice + roff * es, slice + roff * es, rlen, g->size);
-    if ((st = ddp_coll_ring_ag_inplace(&h->rail, slice, len, es, w)) != DDP_OK) return st;
-    return ddp_coll_ring_ag_inplace(&h->local, buf, a->count, es, w);
 }
 
 /* Unequal hosts: each host's sum on every local rank, the hosts' first
@@ -141,7 +125,7 @@ ddp_status ddp_coll_hier_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     ddp_hier_refresh(g);
     switch (a->kind) {
     case DDP_COLL_ALLREDUCE:
-        return g->hier->uniform ? allreduce_sliced(g, a, w) : allreduce_leaders(g, a, w);
+        return g->hier->uniform ? ddp_coll_hier_pipeline(g, a, w) : allreduce_leaders(g, a, w);
     case DDP_COLL_REDUCE_SCATTER: return hier_reduce_scatter(g, a, w);
     case DDP_COLL_ALLGATHER: return hier_all_gather(g, a, w);
     default: break;

@@ -9,7 +9,8 @@
  * (broadcast, reduce, gather, scatter, send/recv on the bandwidth path),
  * ddp_coll_a2a.c (all_to_all), ddp_coll_batch.c (batched send/recv),
  * ddp_coll_hier.c (hierarchical all-reduce, reduce-scatter, all-gather
- * across hosts), ddp_coll_layout.c (which ranks share a host).
+ * across hosts) with ddp_coll_hier_pipe.c (its pipelined all-reduce),
+ * ddp_coll_layout.c (which ranks share a host).
  */
 #ifndef DDP_COLL_INTERNAL_H
 #define DDP_COLL_INTERNAL_H
@@ -172,6 +173,10 @@ void ddp_hier_refresh(ddp_group *g);
  * ddp_coll_hier_run runs one after the header exchange. */
 int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a);
 ddp_status ddp_coll_hier_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+/* The all-reduce of equal hosts (ddp_coll_hier_pipe.c): host reduce-
+ * scatter, rail all-reduce, host all-gather, over pieces of the buffer with
+ * the rail stage on a second thread, so the stages overlap. */
+ddp_status ddp_coll_hier_pipeline(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 
 /* Bandwidth path, run after a header-only exchange. */
 ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w);

@@ -66,9 +66,18 @@ static const hcase cases[] = {
     {DDP_COLL_ALLGATHER, DDP_FLOAT64, DDP_SUM, 1},
 };
 
+/* Large enough for the pipelined all-reduce (ddp_coll_hier_pipe.c) to cut
+ * into several pieces; run on fewer layouts (they take a while under ASan). */
+static const hcase big_cases[] = {
+    {DDP_COLL_ALLREDUCE, DDP_FLOAT32, DDP_SUM, (2u << 20) + 5},  /* 8 MiB: 8 pieces */
+    {DDP_COLL_ALLREDUCE, DDP_BFLOAT16, DDP_AVG, (1u << 20) + 1}, /* 2 pieces */
+};
+
 typedef struct hctx {
     const layout *lay;
     int algo;
+    const hcase *cases;
+    size_t ncases;
 } hctx;
 
 static int expect_hier(const hctx *x, const hcase *c) {
@@ -94,8 +103,8 @@ static void check_value(const hcase *c, double got, double want, int n) {
 static void hier_rank(hworld *w, int r, void *arg) {
     const hctx *x = arg;
     const int n = w->n;
-    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
-        const hcase *c = &cases[ci];
+    for (size_t ci = 0; ci < x->ncases; ci++) {
+        const hcase *c = &x->cases[ci];
         const size_t es = ddp_dtype_size(c->t), total = c->count * (size_t)n;
         char *in = malloc(total * es), *out = malloc(total * es);
         T_ASSERT(in && out);
@@ -148,7 +157,7 @@ static void test_layouts(void) {
                 int algos[H_MAXR];
                 for (int r = 0; r < lay->n; r++) algos[r] = algo;
                 set_hosts(&w, lay, algos);
-                hctx x = {lay, algo};
+                hctx x = {lay, algo, cases, sizeof cases / sizeof *cases};
                 hrun(&w, hier_rank, &x);
                 for (int r = 0; r < lay->n; r++) ddp_group_free_layout(&w.g[r]);
                 hworld_free(&w);
@@ -156,6 +165,53 @@ static void test_layouts(void) {
         }
         printf("layout %s: ok\n", layouts[li].name);
     }
+}
+
+static void test_pipeline(void) {
+    const size_t picks[] = {0, 4}; /* 2x2 contiguous, 3x2 interleaved */
+    for (size_t i = 0; i < 2; i++) {
+        const layout *lay = &layouts[picks[i]];
+        hworld w;
+        hworld_init(&w, lay->n, 0, 1u << 18);
+        int algos[H_MAXR];
+        for (int r = 0; r < lay->n; r++) algos[r] = DDP_ALGO_AUTO;
+        set_hosts(&w, lay, algos);
+        hctx x = {lay, DDP_ALGO_AUTO, big_cases, sizeof big_cases / sizeof *big_cases};
+        hrun(&w, hier_rank, &x);
+        for (int r = 0; r < lay->n; r++) ddp_group_free_layout(&w.g[r]);
+        hworld_free(&w);
+    }
+    printf("pipelined all-reduce: ok\n");
+}
+
+/* A link between hosts that dies in the middle of a pipelined all-reduce:
+ * every rank fails (the host stage included), within moments, not at the
+ * deadline. */
+static void dying_rank(hworld *w, int r, void *arg) {
+    (void)arg;
+    const size_t count = 2u << 20;
+    float *buf = calloc(count, sizeof *buf);
+    T_ASSERT(buf);
+    ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                       .count = count, .buf = buf};
+    int64_t t0 = ddp_now_ms();
+    ddp_status st = hcoll_wait(w, r, &a, ddp_wait_for(20000, NULL));
+    T_ASSERT(st != DDP_OK && st != DDP_ERR_TIMEOUT);
+    T_ASSERT(ddp_now_ms() - t0 < 10000);
+    free(buf);
+}
+
+static void test_dying_link(void) {
+    hworld w;
+    hworld_init(&w, 4, 0, 1u << 18);
+    /* rank 1's end of its link to rank 3 (another host, same rail) dies after 3 MiB */
+    w.links[1][3] = hwrap_new(w.links[1][3], 3u << 20, 0);
+    int algos[4] = {DDP_ALGO_AUTO, DDP_ALGO_AUTO, DDP_ALGO_AUTO, DDP_ALGO_AUTO};
+    set_hosts(&w, &layouts[0], algos);
+    hrun(&w, dying_rank, NULL);
+    for (int r = 0; r < 4; r++) ddp_group_free_layout(&w.g[r]);
+    hworld_free(&w);
+    printf("a link dying mid-pipeline fails every rank fast: ok\n");
 }
 
 /* Rank 0 forced flat while the others go hierarchical: every rank reports
@@ -186,6 +242,8 @@ static void test_mismatch(void) {
 
 int main(void) {
     test_layouts();
+    test_pipeline();
+    test_dying_link();
     test_mismatch();
     printf("test_coll_hier: ok\n");
     return 0;
