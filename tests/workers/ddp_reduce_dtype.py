@@ -7,7 +7,8 @@ independent reference:
   the generic path, and the weights stay bit-identical across ranks;
 * average_<dt>: one backward's averaged gradients equal NumPy's average of the
   per-rank gradients rounded to the reduce dtype, within half-precision tolerance,
-  and are exactly representable in it (float32 and float64 parameters, C and generic);
+  and are exactly representable in it (float32 and float64 parameters, one of them
+  non-contiguous, C and generic paths);
 * mixed: float32, float64 and float16 parameters in one model (float16 is reduced as it
   is, with AVG), gradient_as_bucket_view (views only for the float16 one) and
   find_unused_parameters (a .grad created in the parameter's dtype);
@@ -133,6 +134,8 @@ def case_average(dt, rank, world):
     for generic in (False, True):
         for dtype in (torch.float32, torch.float64):
             model = mlp(0).to(dtype)
+            # a non-contiguous parameter (and gradient): staged before it is narrowed
+            model[0].weight = nn.Parameter(model[0].weight.detach().t().contiguous().t())
             ours = pyddp.DistributedDataParallel(model, reduce_dtype=dt,
                                                  bucket_cap_mb=0.01, _generic_path=generic)
             x, y = batch(7, rank)
@@ -142,6 +145,8 @@ def case_average(dt, rank, world):
             local = all_of([p.grad.numpy() for p in plain.parameters()])
             F.cross_entropy(ours(x.to(dtype)), y).backward()
             got = [p.grad for p in model.parameters()]
+            if got[0].is_contiguous():
+                raise AssertionError("average: the strided parameter's gradient is contiguous")
             if any(g.dtype != dtype for g in got):
                 raise AssertionError(f"average {dt}: .grad dtypes {[g.dtype for g in got]}")
             check_against_numpy(f"average {dt} {dtype} generic={generic}", got, local, dt,
