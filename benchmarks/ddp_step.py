@@ -14,7 +14,12 @@ against the same torch DDP over a gloo group (new_group(backend="gloo")) in the 
 processes, steps alternated, on a ~6M-parameter MLP (--backend-hidden 2048). Prints the
 median step times (wall clock, and the process's CPU time, which a busy machine
 disturbs far less) and the ratios.
-Compute threads: one per rank (torchrun's OMP_NUM_THREADS=1; part 2 matches it).
+Part 4 ("reduce", run by ``--reduce-dtype bfloat16`` or ``--part reduce``) launches 2
+ranks that wrap the same MLP twice in pyddp's DDP, once reducing float32 gradients and
+once with ``reduce_dtype=`` (gradients on the wire as bfloat16/float16), steps
+alternated, and prints both step times and their ratio. benchmarks/two_hosts.py
+--ddp-step runs this part across two network namespaces with a capped link.
+Compute threads: one per rank (torchrun's OMP_NUM_THREADS=1; parts 2 and 4 match it).
 """
 import argparse
 import os
@@ -38,9 +43,13 @@ def parse(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend-hidden", type=int, default=2048,
                    help="hidden width of part 3's MLP (2048: 6.3M parameters)")
-    p.add_argument("--part", choices=["all", "ranks", "single", "backend"], default="all")
+    p.add_argument("--part", choices=["all", "ranks", "single", "backend", "reduce"],
+                   default="all", help="all: parts 1-3, and 4 with --reduce-dtype")
+    p.add_argument("--reduce-dtype", choices=["bfloat16", "float16"], default=None,
+                   help="part 4: DDP step with float32 gradients against this reduce dtype")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reduce-worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -142,6 +151,32 @@ def backend_worker(args):
     tdist.destroy_process_group()
 
 
+def reduce_worker(args):
+    """Part 4, on each rank (torchrun or plain RANK/WORLD_SIZE/MASTER_* variables): pyddp's
+    DDP reducing float32 gradients against the same with reduce_dtype=, side by side."""
+    import torch
+
+    import pyddp
+    torch.set_num_threads(1)
+    pyddp.init_process_group("cpu")
+    rank, world = pyddp.get_rank(), pyddp.get_world_size()
+    dt = args.reduce_dtype or "bfloat16"
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 1024, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    full = pyddp.DistributedDataParallel(make_model(args.hidden))
+    half = pyddp.DistributedDataParallel(make_model(args.hidden), reduce_dtype=getattr(torch, dt))
+    nparams = sum(p.numel() for p in full.parameters())
+    names = ("float32 gradients", f"{dt} gradients")
+    med = compare({names[0]: (full, sgd(full)), names[1]: (half, sgd(half))}, args, x, y)
+    if rank == 0:
+        print(f"pyddp DDP, {world} ranks, {nparams / 1e6:.1f}M parameters "
+              f"({nparams * 4 / 1e6:.0f} MB of float32 gradients), batch {args.batch} per rank")
+        report(med)
+        print(f"  float32 / {dt} step time ratio: {med[names[0]][0] / med[names[1]][0]:.3f} "
+              f"wall, {med[names[0]][1] / med[names[1]][1]:.3f} CPU")
+    pyddp.destroy_process_group()
+
+
 def single(args):
     """Part 2: world size 1, no DDP vs pyddp DDP vs torch DDP, in one process."""
     import torch
@@ -178,9 +213,13 @@ def main():
         return worker(args)
     if args.backend_worker:
         return backend_worker(args)
+    if args.reduce_worker:
+        return reduce_worker(args)
     passthrough = [f"--steps={args.steps}", f"--rounds={args.rounds}",
                    f"--warmup={args.warmup}", f"--batch={args.batch}", f"--hidden={args.hidden}",
                    f"--backend-hidden={args.backend_hidden}"]
+    if args.reduce_dtype:
+        passthrough.append(f"--reduce-dtype={args.reduce_dtype}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
         "PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -192,6 +231,8 @@ def main():
     if args.part in ("all", "single"):
         sys.path.insert(0, ROOT)
         single(args)
+    if args.part == "reduce" or (args.part == "all" and args.reduce_dtype):
+        subprocess.run(cmd + ["--reduce-worker"] + passthrough, env=env, check=True)
 
 
 if __name__ == "__main__":

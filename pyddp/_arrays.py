@@ -87,16 +87,64 @@ class Staged:
             copy_into(self.orig, self.array)
 
 
-def empty_flat(like, n):
-    """A new 1-D array of n elements with like's dtype, library and device."""
+def empty_flat(like, n, dtype=None):
+    """A new 1-D array of n elements with like's library and device, and like's dtype
+    or dtype (one of that library's dtypes, see dtype_in)."""
     lib = _lib(like)
+    dtype = like.dtype if dtype is None else dtype
     if lib == "torch":
         import torch  # like is a torch tensor, so torch is already imported
-        return torch.empty(n, dtype=like.dtype, device=like.device)
+        return torch.empty(n, dtype=dtype, device=like.device)
     if lib == "cupy":
         import cupy
-        return cupy.empty(n, dtype=like.dtype)
-    return np.empty(n, dtype=like.dtype)
+        return cupy.empty(n, dtype=dtype)
+    return np.empty(n, dtype=dtype)
+
+
+def dtype_in(like, name):
+    """The dtype called name ('float16', 'bfloat16', 'float32', ...) of like's array
+    library, or None where that library has none (bfloat16: NumPy without ml_dtypes,
+    CuPy)."""
+    lib = _lib(like)
+    if lib == "torch":
+        import torch
+        return getattr(torch, name, None)
+    if name == "bfloat16":
+        if lib == "cupy":
+            return None
+        try:
+            import ml_dtypes
+        except ImportError:
+            return None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
+def divide_into(dst, src, divisor):
+    """dst[...] = src / divisor (same element count), computed in src's dtype and
+    rounded once to dst's, in one pass, without autograd."""
+    if _lib(dst) == "torch":
+        import torch
+        with torch.no_grad():
+            torch.div(src.reshape(dst.shape), divisor, out=dst)
+        return
+    xp = np
+    if _lib(dst) == "cupy":
+        import cupy as xp
+    try:
+        xp.divide(src.reshape(dst.shape), divisor, out=dst, casting="same_kind")
+    except TypeError:       # a dtype (ml_dtypes') whose cast is registered as unsafe only
+        dst[...] = src.reshape(dst.shape) / divisor
+
+
+def copy_as(src, like):
+    """A new array holding src's values in like's dtype (src's library and device)."""
+    if _lib(src) == "torch":
+        return src.detach().to(dtype=like.dtype, copy=True)
+    return src.astype(like.dtype)
 
 
 def flat(x):

@@ -17,6 +17,12 @@ view of each parameter's slot. Its two subclasses move the data:
 The generic path is forced on CPU by ``PYDDP_DDP_GENERIC_PATH=1`` (or the constructor's
 private ``_generic_path=True``), which is how the tests keep it honest.
 
+With a reduce dtype ("float16"/"bfloat16"), float32/float64 parameters get buckets of
+that dtype ("converted" parameters): the copy into the slot divides by the world size
+and rounds once (C: ddp_dtype_cast.c; generic: ``A.divide_into``), those buckets are
+all-reduced with SUM, and the copy back widens the average. Their ``.grad`` is never a
+bucket view (gradient_as_bucket_view applies to the other parameters only).
+
 ``GradSync`` holds DDP's per-iteration semantics on top of an engine: which gradients
 are expected, ``find_unused_parameters`` and ``static_graph``, the error that names
 unused parameters, creating ``.grad`` for parameters only other ranks used, and the
@@ -82,7 +88,8 @@ class BucketEngine:
     order. order: their expected ready order (None: reverse registration order).
     """
 
-    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None):
+    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None,
+                 reduce_dtype=None):
         self._params = params
         self._pg = pg
         self._world = world_size
@@ -90,14 +97,20 @@ class BucketEngine:
         specs = [(A.numel(p), dtype_name(p), device_key(p)) for p in params]
         # The first bucket is small so that communication starts early in backward
         # (never larger than the cap the user asked for).
-        self._c = _C.Reducer(specs, min(FIRST_BUCKET_BYTES, cap_bytes), cap_bytes, order)
+        self._c = _C.Reducer(specs, min(FIRST_BUCKET_BYTES, cap_bytes), cap_bytes, order,
+                             reduce_dtype)
         layout, pbucket, poffset = self._c.layout()
         self.layout = layout
         self.buckets = []
-        for members, numel, _dt, _dev in layout:
-            b = A.empty_flat(A.for_core(params[members[0]]), numel)
+        self.bucket_converted = []   # bucket b narrows its gradients to the reduce dtype
+        for members, numel, dt, _dev in layout:
+            like = A.for_core(params[members[0]])
+            converted = dt != dtype_name(like)
+            b = A.empty_flat(like, numel, A.dtype_in(like, dt) if converted else None)
             b[...] = 0
             self.buckets.append(b)
+            self.bucket_converted.append(converted)
+        self.converted = [self.bucket_converted[pbucket[i]] for i in range(len(params))]
         self.views = [self.buckets[pbucket[i]][poffset[i]:poffset[i] + A.numel(p)]
                       .reshape(tuple(p.shape)) for i, p in enumerate(params)]
         self._copy_back = {}    # index -> gradient the average is copied into by Python
@@ -148,17 +161,26 @@ class CPath(BucketEngine):
     its slot, queues full buckets on the communicator's worker thread, waits and copies
     back, all in C."""
 
-    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None):
-        super().__init__(params, pg, world_size, cap_bytes, timeout_ms, order)
+    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None,
+                 reduce_dtype=None):
+        super().__init__(params, pg, world_size, cap_bytes, timeout_ms, order, reduce_dtype)
         self._c.attach(pg if world_size > 1 else None, self.buckets)
 
     def ready(self, i, grad, copy_back):
         if grad is not None and not A.is_contiguous(grad):
-            # The C path takes contiguous memory only: stage through the slot.
-            A.copy_into(self.views[i], grad)
             if copy_back:
                 self._copy_back[i] = grad
-            self._c.ready(i, A.for_core(self.views[i]), False)
+            if not self.converted[i]:
+                # The C path takes contiguous memory only: stage through the slot.
+                A.copy_into(self.views[i], grad)
+                self._c.ready(i, A.for_core(self.views[i]), False)
+            elif self._world == 1:
+                # The average over one rank is grad itself: leave it exact.
+                self._copy_back.pop(i, None)
+                self._c.ready(i, None, False)
+            else:
+                # A contiguous copy for C to narrow into the slot.
+                self._c.ready(i, A.host_view(A.Staged(grad).array), False)
         else:
             self._c.ready(i, None if grad is None else A.host_view(grad), copy_back)
 
@@ -181,8 +203,9 @@ class GenericPath(BucketEngine):
     bookkeeping says which buckets may start; Python copies with the array library and
     all-reduces each bucket through ``pg.submit``."""
 
-    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None):
-        super().__init__(params, pg, world_size, cap_bytes, timeout_ms, order)
+    def __init__(self, params, pg, world_size, cap_bytes, timeout_ms, order=None,
+                 reduce_dtype=None):
+        super().__init__(params, pg, world_size, cap_bytes, timeout_ms, order, reduce_dtype)
         self._works = []        # bucket all-reduces in flight, in bucket order
 
     def ready(self, i, grad, copy_back):
@@ -190,6 +213,9 @@ class GenericPath(BucketEngine):
         stays = self._world == 1 and copy_back   # the average over one rank is grad itself
         if grad is None:
             view[...] = 0
+        elif self.converted[i] and not stays:
+            # narrowed slots hold gradient / world size: the SUM below is the mean
+            A.divide_into(view, grad, self._world)
         elif grad is not view and not stays:
             A.copy_into(view, grad)
         if copy_back and grad is not None and not stays:
@@ -198,7 +224,8 @@ class GenericPath(BucketEngine):
         if self._world > 1:
             for b in range(first, first + count):
                 x = A.for_core(self.buckets[b])
-                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, x, None, _C.OP_AVG, 0,
+                op = _C.OP_SUM if self.bucket_converted[b] else _C.OP_AVG
+                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, x, None, op, 0,
                                                    self._timeout_ms, caller_stream(x)))
 
     def finish(self, track_used):
@@ -231,9 +258,10 @@ class GenericPath(BucketEngine):
         self._c.end()
 
 
-def make_engine(params, pg, world_size, cap_bytes, generic, timeout_ms, order=None):
+def make_engine(params, pg, world_size, cap_bytes, generic, timeout_ms, order=None,
+                reduce_dtype=None):
     return (GenericPath if generic else CPath)(params, pg, world_size, cap_bytes, timeout_ms,
-                                               order)
+                                               order, reduce_dtype)
 
 
 class GradSync:
@@ -243,21 +271,24 @@ class GradSync:
     replace a parameter's gradient (``get_grad(i)``, ``set_grad(i, g)``). It calls
     ``start()`` when a synced backward is expected, ``on_grad(i)`` whenever parameter i's
     gradient has been accumulated, and ``finalize()`` once backward is over.
+    reduce_dtype: None, "float16" or "bfloat16" (checked by the front-end).
     """
 
     def __init__(self, params, names, get_grad, set_grad, *, pg, rank, world_size,
                  bucket_cap_bytes, find_unused, static_graph, view_mode, generic,
-                 timeout_ms, clone, group=None):
+                 timeout_ms, reduce_dtype=None, group=None):
         self.params, self.names = params, names
         self._group = group          # the pyddp Group, for straggler reports
-        self.get_grad, self.set_grad, self._clone = get_grad, set_grad, clone
+        self.get_grad, self.set_grad = get_grad, set_grad
+        self._reduce_dtype = reduce_dtype
         self.rank, self.world = rank, world_size
         self._pg, self._timeout_ms = pg, timeout_ms
         self._cap, self._generic = bucket_cap_bytes, generic
         self.static_graph = static_graph
         self.dynamic_unused = find_unused and not static_graph
         self.view_mode = view_mode
-        self.engine = make_engine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms)
+        self.engine = make_engine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms,
+                                  reduce_dtype=reduce_dtype)
         self.expect = False          # a synced backward is expected (hooks reduce)
         self.started = False         # a gradient arrived in this synced iteration
         self.broken = None           # message of an unrecoverable error
@@ -337,9 +368,13 @@ class GradSync:
     def _static_first(self):
         return self.static_graph and self._static_expected is None
 
+    def _viewed(self, i):
+        """gradient_as_bucket_view applies to parameter i (its bucket has its dtype)."""
+        return self.view_mode and not self.engine.converted[i]
+
     def _ready(self, i):
         g = self.get_grad(i)
-        if self.view_mode:
+        if self._viewed(i):
             view = self.engine.views[i]
             self.engine.ready(i, g, False)
             if g is not None and g is not view:
@@ -397,7 +432,7 @@ class GradSync:
         for i, n in enumerate(used):
             if n and self.get_grad(i) is None:
                 view = self.engine.views[i]
-                self.set_grad(i, view if self.view_mode else self._clone(view))
+                self.set_grad(i, view if self._viewed(i) else A.copy_as(view, self.params[i]))
 
     def _fail(self, msg, cause=None):
         """This rank cannot go on: break the process group first, so that peers waiting
@@ -431,7 +466,8 @@ class GradSync:
             self._pg.submit(_C.COLL_BROADCAST, order, None, 0, 0, self._timeout_ms,
                             caller_stream(order)).wait()
         engine = make_engine(self.params, self._pg, self.world, self._cap, self._generic,
-                             self._timeout_ms, order=order.tolist())
+                             self._timeout_ms, order=order.tolist(),
+                             reduce_dtype=self._reduce_dtype)
         self.engine = engine
         self.rebuilt = True
         self._order_seen = None
@@ -444,6 +480,6 @@ class GradSync:
         .grad becomes the slot itself."""
         for i, view in enumerate(self.engine.views):
             g = self.get_grad(i)
-            if g is not None and g is not view:
+            if self._viewed(i) and g is not None and g is not view:
                 A.copy_into(view, g)
                 self.set_grad(i, view)

@@ -24,7 +24,7 @@ import torch
 from . import _C
 from ._ddp_reducer import GradSync
 from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes, ddp_group,
-                  sync_initial_state, use_generic_path)
+                  reduce_dtype_name, sync_initial_state, use_generic_path)
 
 
 def _on_grad(ddp_ref, i, param):
@@ -50,7 +50,8 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=True, init_sync=True, process_group=None,
                  bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
-                 gradient_as_bucket_view=False, static_graph=False, _generic_path=None):
+                 gradient_as_bucket_view=False, static_graph=False, reduce_dtype=None,
+                 _generic_path=None):
         torch.nn.Module.__init__(self)
         g, pg, tmo = ddp_group(process_group)
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -60,6 +61,9 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
             raise _C.DistError("DistributedDataParallel is not needed when a module doesn't "
                                "have any parameter that requires a gradient.")
         self._check_devices(trainable, device_ids, output_device)
+        rdt = reduce_dtype_name(reduce_dtype, [n for n, _ in trainable],
+                                [p for _, p in trainable], torch_model=True)
+        self.reduce_dtype = reduce_dtype
         self.module = module
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -88,7 +92,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                 find_unused=find_unused_parameters, static_graph=static_graph,
                 view_mode=gradient_as_bucket_view,
                 generic=use_generic_path(pg, params, _generic_path),
-                timeout_ms=self._timeout_ms, clone=lambda v: v.clone(), group=g)
+                timeout_ms=self._timeout_ms, reduce_dtype=rdt, group=g)
         ref = weakref.ref(self)
         self._hook_handles = [p.register_post_accumulate_grad_hook(
             functools.partial(_on_grad, ref, i)) for i, p in enumerate(params)]

@@ -5,6 +5,7 @@ launch started is killed by id (SIGKILL to the session leader's group), so a han
 the test instead of stalling CI and no worker outlives its test.
 """
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -53,6 +54,16 @@ def run(cmd, env=None, timeout=120, cwd=ROOT) -> Result:
     finally:
         kill_group(p.pid)
     return Result(p.returncode, out, err)
+
+
+def assert_cases_passed(res, ws, cases):
+    """A multi-rank worker run (Result) exited cleanly and printed "PASS <case> rank=<r>"
+    for every case and every rank 0..ws-1."""
+    out = res.output
+    assert res.returncode == 0, out[-8000:]
+    for case in cases:
+        ranks = sorted(int(r) for r in re.findall(rf"PASS {case} rank=(\d+)", out))
+        assert ranks == list(range(ws)), f"{case}: passed on ranks {ranks}\n{out[-4000:]}"
 
 
 def kill_group(pid):

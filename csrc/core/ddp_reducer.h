@@ -13,6 +13,9 @@
  *    first all-reduce starts early, later ones at cap_bytes (bucket_cap_mb).
  *    Buckets are numbered in the order their first member becomes ready, and
  *    every rank computes the same plan from the same inputs.
+ *    With a reduce dtype (float16 or bfloat16), float32/float64 parameters
+ *    get buckets of that dtype: caps count its bytes, the data path narrows
+ *    gradients on the way in and widens averages on the way out.
  *
  * 2. Readiness bookkeeping (ddp_reducer.c). One synced iteration runs
  *    begin -> mark_ready per parameter -> (launch buckets) -> end. A bucket
@@ -60,7 +63,9 @@ typedef struct ddp_plan {
     size_t *bucket_begin;    /* [nbuckets + 1]: bucket b holds members[begin[b] .. begin[b+1]) */
     size_t *members;         /* [nparams]: parameter indices, bucket by bucket, ready order */
     size_t *bucket_numel;    /* [nbuckets] elements */
-    ddp_dtype *bucket_dtype; /* [nbuckets] */
+    ddp_dtype *bucket_dtype; /* [nbuckets] the buckets' own (wire) dtype */
+    ddp_dtype *bucket_grad_dtype; /* [nbuckets] its gradients' dtype: bucket_dtype, or
+                                   * float32/float64 narrowed to a reduce dtype */
     int *bucket_device;      /* [nbuckets] */
     size_t *param_bucket;    /* [nparams]: the bucket of parameter i */
     size_t *param_offset;    /* [nparams]: element offset of parameter i in its bucket */
@@ -73,6 +78,19 @@ typedef struct ddp_plan {
  * order, cap or dtype; DDP_ERR_NOMEM) *out is zeroed and owns nothing. */
 ddp_status ddp_plan_buckets(const ddp_plan_param *params, size_t n, const size_t *order,
                             size_t first_cap_bytes, size_t cap_bytes, ddp_plan *out);
+
+/* No reduce dtype: every gradient is reduced in its own dtype. */
+#define DDP_REDUCE_NATIVE DDP_DTYPE_COUNT
+
+/* ddp_plan_buckets with a reduce dtype: DDP_FLOAT16 or DDP_BFLOAT16 puts
+ * float32/float64 parameters in buckets of that dtype (their bytes, in it,
+ * count against the caps), float16/bfloat16 parameters in buckets of their
+ * own; DDP_REDUCE_NATIVE is ddp_plan_buckets. DDP_ERR_INVALID for another
+ * reduce dtype, DDP_ERR_TYPE for a parameter that is not floating point
+ * when a reduce dtype is given. */
+ddp_status ddp_plan_buckets_as(const ddp_plan_param *params, size_t n, const size_t *order,
+                               size_t first_cap_bytes, size_t cap_bytes, ddp_dtype reduce_dtype,
+                               ddp_plan *out);
 
 /* Free a plan's arrays and zero it. Safe on a zeroed plan. */
 void ddp_plan_free(ddp_plan *p);
@@ -141,7 +159,11 @@ extern const ddp_reducer_ops ddp_reducer_comm_ops;
 
 /* Give the reducer its bucket buffers (bufs[b] holds bucket_numel[b]
  * elements of bucket_dtype[b]; borrowed) and the ops that reduce them across
- * world_size ranks. With world_size 1 the data path moves nothing: the
+ * world_size ranks. A bucket whose gradients are narrowed (bucket_grad_dtype
+ * != bucket_dtype) holds each gradient divided by world_size and is
+ * all-reduced with SUM (so its sum is the average and cannot overflow a
+ * float16 where the float32 sum would not, as torch's fp16_compress_hook);
+ * every other bucket is all-reduced with AVG. With world_size 1 the data path moves nothing: the
  * average over one rank is the gradient itself. DDP_ERR_INVALID if an
  * iteration is running or a buffer is NULL. */
 ddp_status ddp_reducer_attach(ddp_reducer *r, void *const *bufs, const ddp_reducer_ops *ops,
@@ -150,11 +172,13 @@ ddp_status ddp_reducer_attach(ddp_reducer *r, void *const *bufs, const ddp_reduc
 /* The address of parameter i's slot in its bucket (NULL before attach). */
 void *ddp_reducer_slot(const ddp_reducer *r, size_t i);
 
-/* Parameter i's gradient is ready: copy grad (numel elements of dtype t;
- * NULL means zeros) into its slot unless it already is the slot, mark it
- * ready, and launch every bucket that became launchable. copy_back: where
- * finish writes the averaged gradient (NULL: nowhere; the slot itself: no
- * copy needed). Wrong dtype or size gives DDP_ERR_TYPE / DDP_ERR_INVALID with
+/* Parameter i's gradient is ready: copy grad (numel elements of dtype t,
+ * the bucket's bucket_grad_dtype; NULL means zeros) into its slot unless it
+ * already is the slot (narrowing it, divided by the world size, for a
+ * narrowed bucket), mark it ready, and launch every bucket that became
+ * launchable. copy_back: where finish writes the averaged gradient, in dtype
+ * t (NULL: nowhere; the slot itself: no copy needed). With world size 1 and
+ * copy_back == grad nothing is copied, so the gradient stays exact. Wrong dtype or size gives DDP_ERR_TYPE / DDP_ERR_INVALID with
  * nothing changed. A failed launch is returned and also remembered, so
  * finish reports it too. */
 ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dtype t,

@@ -7,8 +7,15 @@
  *
  * Averaging is DDP_AVG: the collective sums across ranks and divides once at
  * the end, exactly as torch's DDP documents (sum, then divide by world size).
+ * Narrowed buckets (a reduce dtype) instead hold each gradient already divided
+ * by the world size, rounded once to the bucket's dtype as it is copied in,
+ * and are all-reduced with SUM; the copy back widens the average. So the
+ * conversion costs no pass of its own, and a float16 sum is never larger
+ * than the largest gradient (torch's fp16_compress_hook divides first too).
  */
 #include "ddp_reducer_int.h"
+
+#include "ddp_dtype_cast.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -88,13 +95,20 @@ static ddp_status bucket_error(const ddp_reducer *r, ddp_status st, size_t b) {
                             ddp_dtype_name(p->bucket_dtype[b]));
 }
 
+/* 1 if bucket b narrows its gradients (they are reduced as a reduce dtype). */
+static int narrowed(const ddp_plan *p, size_t b) {
+    return p->bucket_grad_dtype[b] != p->bucket_dtype[b];
+}
+
 /* Launch buckets [first, first + count). Stops at the first failure, which
  * is remembered for finish and returned. */
 static ddp_status launch_range(ddp_reducer *r, size_t first, size_t count) {
     if (r->world == 1) return DDP_OK;   /* the average over one rank is the input */
     for (size_t b = first; b < first + count; b++) {
+        /* narrowed slots hold gradient / world size already: their sum is the mean */
+        ddp_redop op = narrowed(&r->plan, b) ? DDP_SUM : DDP_AVG;
         ddp_status st = r->ops->launch(r->ctx, r->bufs[b], r->plan.bucket_numel[b],
-                                       r->plan.bucket_dtype[b], DDP_AVG, &r->works[b]);
+                                       r->plan.bucket_dtype[b], op, &r->works[b]);
         if (st != DDP_OK) {
             r->works[b] = NULL;
             bucket_error(r, st, b);
@@ -115,10 +129,10 @@ ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dty
         return ddp_reducer_mark_ready(r, i, &f, &c);  /* fails with the precise message */
     }
     size_t b = p->param_bucket[i];
-    if (grad != NULL && t != p->bucket_dtype[b])
+    if (grad != NULL && t != p->bucket_grad_dtype[b])
         return ddp_error(DDP_ERR_TYPE, "reducer: the gradient of parameter %zu is %s but the "
                          "parameter is %s", i, ddp_dtype_name(t),
-                         ddp_dtype_name(p->bucket_dtype[b]));
+                         ddp_dtype_name(p->bucket_grad_dtype[b]));
     if (grad != NULL && numel != p->param_numel[i])
         return ddp_error(DDP_ERR_INVALID, "reducer: the gradient of parameter %zu has %zu "
                          "elements but the parameter has %zu", i, numel, p->param_numel[i]);
@@ -130,6 +144,8 @@ ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dty
     if (!stays) {
         if (grad == NULL)
             memset(slot, 0, p->param_numel[i] * esz);
+        else if (narrowed(p, b))
+            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i], r->world);
         else if (grad != slot)
             memcpy(slot, grad, p->param_numel[i] * esz);
     }
@@ -171,10 +187,15 @@ static ddp_status wait_one(ddp_reducer *r, void **h, size_t b, ddp_wait w, int r
 static void copy_back_bucket(ddp_reducer *r, size_t b, int track_used) {
     const ddp_plan *p = &r->plan;
     size_t esz = ddp_dtype_size(p->bucket_dtype[b]);
+    int widen = narrowed(p, b);
     for (size_t k = p->bucket_begin[b]; k < p->bucket_begin[b + 1]; k++) {
         size_t i = p->members[k];
         if (r->copy_back[i] == NULL || (track_used && r->used_global[i] == 0)) continue;
-        memcpy(r->copy_back[i], ddp_reducer_slot(r, i), p->param_numel[i] * esz);
+        if (widen)
+            ddp_cast_widen(p->bucket_grad_dtype[b], r->copy_back[i], p->bucket_dtype[b],
+                           ddp_reducer_slot(r, i), p->param_numel[i]);
+        else
+            memcpy(r->copy_back[i], ddp_reducer_slot(r, i), p->param_numel[i] * esz);
     }
 }
 

@@ -8,9 +8,13 @@
  * needed), and the bucket closes as soon as its size reaches the key's
  * current cap. Each key's first bucket uses the small first cap. Buckets are
  * numbered when they open, which is exactly "sorted by their first member's
- * position", the order in which they can become ready.
+ * position", the order in which they can become ready. With a reduce dtype
+ * the keys stay (gradient dtype, device), but a float32/float64 key's
+ * buckets are of the reduce dtype, and their bytes are counted in it.
  */
 #include "ddp_reducer.h"
+
+#include "ddp_dtype_cast.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +25,7 @@ void ddp_plan_free(ddp_plan *p) {
     free(p->members);
     free(p->bucket_numel);
     free(p->bucket_dtype);
+    free(p->bucket_grad_dtype);
     free(p->bucket_device);
     free(p->param_bucket);
     free(p->param_offset);
@@ -71,12 +76,13 @@ static ddp_status plan_alloc(ddp_plan *p, size_t n) {
     p->members = malloc(m * sizeof *p->members);
     p->bucket_numel = calloc(m, sizeof *p->bucket_numel);
     p->bucket_dtype = malloc(m * sizeof *p->bucket_dtype);
+    p->bucket_grad_dtype = malloc(m * sizeof *p->bucket_grad_dtype);
     p->bucket_device = malloc(m * sizeof *p->bucket_device);
     p->param_bucket = malloc(m * sizeof *p->param_bucket);
     p->param_offset = malloc(m * sizeof *p->param_offset);
     p->param_numel = malloc(m * sizeof *p->param_numel);
     if (!p->bucket_begin || !p->members || !p->bucket_numel || !p->bucket_dtype ||
-        !p->bucket_device || !p->param_bucket || !p->param_offset ||
+        !p->bucket_grad_dtype || !p->bucket_device || !p->param_bucket || !p->param_offset ||
         !p->param_numel)
         return ddp_error(DDP_ERR_NOMEM, "bucket planning: out of memory for %zu parameters", n);
     return DDP_OK;
@@ -97,6 +103,34 @@ static plan_key *key_for(plan_key *keys, size_t *nkeys, ddp_dtype t, int device)
 
 ddp_status ddp_plan_buckets(const ddp_plan_param *params, size_t n, const size_t *order,
                             size_t first_cap_bytes, size_t cap_bytes, ddp_plan *out) {
+    return ddp_plan_buckets_as(params, n, order, first_cap_bytes, cap_bytes, DDP_REDUCE_NATIVE,
+                               out);
+}
+
+/* The dtype parameter i's gradient is reduced in (checked by the caller). */
+static ddp_dtype wire_dtype(ddp_dtype t, ddp_dtype reduce) {
+    return ddp_cast_narrows(t, reduce) ? reduce : t;
+}
+
+/* DDP_OK if reduce is a valid reduce dtype for every parameter. */
+static ddp_status check_reduce(const ddp_plan_param *params, size_t n, ddp_dtype reduce) {
+    if (reduce == DDP_REDUCE_NATIVE) return DDP_OK;
+    if (reduce != DDP_FLOAT16 && reduce != DDP_BFLOAT16)
+        return ddp_error(DDP_ERR_INVALID, "bucket planning: the reduce dtype must be float16 "
+                         "or bfloat16 (got code %d)", (int)reduce);
+    for (size_t i = 0; i < n; i++) {
+        ddp_dtype t = params[i].dtype;
+        if (t != DDP_FLOAT16 && t != DDP_BFLOAT16 && t != DDP_FLOAT32 && t != DDP_FLOAT64)
+            return ddp_error(DDP_ERR_TYPE, "bucket planning: parameter %zu is %s; a reduce "
+                             "dtype (%s) applies to floating-point gradients only", i,
+                             ddp_dtype_name(t), ddp_dtype_name(reduce));
+    }
+    return DDP_OK;
+}
+
+ddp_status ddp_plan_buckets_as(const ddp_plan_param *params, size_t n, const size_t *order,
+                               size_t first_cap_bytes, size_t cap_bytes, ddp_dtype reduce_dtype,
+                               ddp_plan *out) {
     memset(out, 0, sizeof *out);
     if (first_cap_bytes == 0 || cap_bytes == 0)
         return ddp_error(DDP_ERR_INVALID, "bucket planning: bucket caps must be positive "
@@ -106,8 +140,10 @@ ddp_status ddp_plan_buckets(const ddp_plan_param *params, size_t n, const size_t
         if ((unsigned)params[i].dtype >= DDP_DTYPE_COUNT)
             return ddp_error(DDP_ERR_INVALID, "bucket planning: parameter %zu has an unknown "
                              "dtype code %d", i, (int)params[i].dtype);
+    ddp_status st = check_reduce(params, n, reduce_dtype);
+    if (st != DDP_OK) return st;
     size_t *seq = NULL;
-    ddp_status st = ready_sequence(order, n, &seq);
+    st = ready_sequence(order, n, &seq);
     if (st != DDP_OK) return st;
     plan_key *keys = malloc((n ? n : 1) * sizeof *keys);
     if (keys == NULL) {
@@ -128,7 +164,8 @@ ddp_status ddp_plan_buckets(const ddp_plan_param *params, size_t n, const size_t
         if (key->open == SIZE_MAX) {
             key->open = nb++;
             key->open_bytes = 0;
-            out->bucket_dtype[key->open] = params[i].dtype;
+            out->bucket_dtype[key->open] = wire_dtype(params[i].dtype, reduce_dtype);
+            out->bucket_grad_dtype[key->open] = params[i].dtype;
             out->bucket_device[key->open] = params[i].device;
         }
         size_t b = key->open;
@@ -136,7 +173,7 @@ ddp_status ddp_plan_buckets(const ddp_plan_param *params, size_t n, const size_t
         out->param_offset[i] = out->bucket_numel[b];
         out->param_numel[i] = params[i].numel;
         out->bucket_numel[b] += params[i].numel;
-        key->open_bytes += params[i].numel * ddp_dtype_size(params[i].dtype);
+        key->open_bytes += params[i].numel * ddp_dtype_size(out->bucket_dtype[b]);
         size_t cap = key->closed == 0 ? first_cap_bytes : cap_bytes;
         if (key->open_bytes >= cap) {
             key->open = SIZE_MAX;

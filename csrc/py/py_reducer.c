@@ -1,10 +1,13 @@
 /* py_reducer.c - pyddp._C.Reducer: the Python face of the gradient reducer
  * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it.
  *
- * Reducer(params, first_cap_bytes, cap_bytes, order=None)
+ * Reducer(params, first_cap_bytes, cap_bytes, order=None, reduce_dtype=None)
  *     params: sequence of (numel, dtype name, device key); plans the buckets.
+ *     reduce_dtype: None, "float16" or "bfloat16" (float32/float64 gradients
+ *     reduced in that dtype: ddp_plan_buckets_as).
  *   layout() -> (buckets, param_bucket, param_offset), buckets being
- *     [(members, numel, dtype name, device key)], for allocating them.
+ *     [(members, numel, dtype name, device key)], for allocating them (the
+ *     dtype is the bucket's own, the reduce dtype for narrowed buckets).
  *   Bookkeeping (both paths): begin(), mark_ready(i) -> (first, count),
  *     note_used(i), unready(), arrival(), local_used(), end().
  *   CPU data path: attach(pg, buckets) with a _C.ProcessGroup (or None for
@@ -75,12 +78,15 @@ static size_t *size_array(PyObject *seq, size_t n, const char *what) {
 }
 
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"params", "first_cap_bytes", "cap_bytes", "order", NULL};
-    PyObject *params, *order_obj = Py_None;
+    static char *kwlist[] = {"params", "first_cap_bytes", "cap_bytes", "order", "reduce_dtype",
+                             NULL};
+    PyObject *params, *order_obj = Py_None, *reduce_obj = Py_None;
     Py_ssize_t first_cap, cap;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Onn|O", kwlist, &params, &first_cap, &cap,
-                                     &order_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Onn|OO", kwlist, &params, &first_cap, &cap,
+                                     &order_obj, &reduce_obj))
         return NULL;
+    ddp_dtype reduce = DDP_REDUCE_NATIVE;
+    if (reduce_obj != Py_None && dtype_from_name(reduce_obj, &reduce) < 0) return NULL;
     if (first_cap <= 0 || cap <= 0)
         return ddp_py_raise(DDP_ERR_INVALID, "bucket caps must be positive: check that "
                             "bucket_cap_mb > 0");
@@ -103,7 +109,8 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
     if (order_obj != Py_None && (order = size_array(order_obj, n, "order")) == NULL) goto done;
     ddp_plan plan;
-    ddp_status st = ddp_plan_buckets(ps, n, order, (size_t)first_cap, (size_t)cap, &plan);
+    ddp_status st = ddp_plan_buckets_as(ps, n, order, (size_t)first_cap, (size_t)cap, reduce,
+                                        &plan);
     if (st != DDP_OK) { ddp_py_raise(st, NULL); goto done; }
     self = (ReducerObject *)type->tp_alloc(type, 0);
     if (self == NULL) { ddp_plan_free(&plan); goto done; }
