@@ -325,7 +325,8 @@ def init_gloo(rank, world):
 def header(args, world, compare, stream):
     lines = [f"# pyddp.bench: {world} ranks, dtype {args.datatype}, op {args.op}, "
              f"{args.rounds} rounds per size (median), host {socket.gethostname()}, "
-             f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}"]
+             f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}, "
+             f"nsocks {os.environ.get('PYDDP_NSOCKS_PERPEER') or 1}"]
     if stream:
         lines.append(f"# single TCP stream rank {args.stream_peer} -> rank 0: {stream:.3f} GB/s")
     cols = f"{'collective':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}"

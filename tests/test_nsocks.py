@@ -1,7 +1,8 @@
 """Links striped over several TCP connections per peer (PYDDP_NSOCKS_PERPEER): results
 against NumPy at 2 and 4 ranks over loopback TCP (PYDDP_SHM_DISABLE=1), the number of
-connections each rank really holds, same-host pairs on shared memory getting none
-extra, and the clear error of ranks that disagree on the setting. The worker is
+connections each rank really holds, extra connections authenticated with a token,
+same-host pairs on shared memory getting none extra, and the clear error of ranks that
+disagree on the setting. The worker is
 tests/workers/nsocks.py; the byte-level striping is tests/c/test_link_stripe.c's."""
 import re
 
@@ -24,6 +25,14 @@ def test_three_connections_per_peer(ws):
     env = {"PYDDP_NSOCKS_PERPEER": "3", "PYDDP_SHM_DISABLE": "1", "PYDDP_TIMEOUT": "120"}
     assert_pass(spawn_ranks("nsocks.py", ws, args=["--per-peer", "3"], env=env,
                             timeout=240), ws)
+
+
+def test_extra_connections_authenticate():
+    """With PYDDP_AUTH_TOKEN every extra connection passes the challenge-response too."""
+    env = {"PYDDP_NSOCKS_PERPEER": "2", "PYDDP_SHM_DISABLE": "1", "PYDDP_TIMEOUT": "120",
+           "PYDDP_AUTH_TOKEN": "nsocks-test-token"}
+    assert_pass(spawn_ranks("nsocks.py", 3, args=["--per-peer", "2"], env=env,
+                            timeout=240), 3)
 
 
 def test_shared_memory_pairs_get_no_extra_connections():
