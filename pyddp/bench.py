@@ -337,7 +337,8 @@ def init_gloo(rank, world):
 def header(args, world, backends, stream, hosts):
     lines = [f"# pyddp.bench: {world} ranks on {hosts} host(s), dtype {args.datatype}, op "
              f"{args.op}, {args.rounds} rounds per size (median), host {socket.gethostname()}, "
-             f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}"]
+             f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}, "
+             f"nsocks {os.environ.get('PYDDP_NSOCKS_PERPEER') or 1}"]
     if stream:
         lines.append(f"# single TCP stream rank {args.stream_peer} -> rank 0: {stream:.3f} GB/s")
     if "flat" in backends:

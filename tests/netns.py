@@ -28,13 +28,38 @@ def _ip(*args):
         raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
 
 
+def _cap_each_flow(ns, dev, rate, by):
+    """Cap every TCP flow leaving dev at rate, as clouds cap a single flow: an htb class
+    per bucket of a u32 hash on the low byte of the flow's `by` port ("sport" or
+    "dport": the side of the flow that is not a listening port, so that the flows of
+    one peer pair land in different buckets; two flows may share one, rarely, with
+    256 buckets). Traffic that is not TCP is not capped."""
+    mask = "0x000000ff" if by == "dport" else "0x00ff0000"
+    cmds = [f"qdisc add dev {dev} root handle 1: htb default 1",
+            f"class add dev {dev} parent 1: classid 1:1 htb rate 100gbit quantum 60000",
+            f"filter add dev {dev} parent 1: prio 1 handle 2: protocol ip u32 divisor 256"]
+    for i in range(256):
+        cmds.append(f"class add dev {dev} parent 1: classid 1:{0x100 + i:x} htb rate {rate} "
+                    f"ceil {rate} burst 256k cburst 256k quantum 60000")
+        cmds.append(f"filter add dev {dev} parent 1: prio 1 protocol ip u32 ht 2:{i:x}: "
+                    f"match u32 0 0 flowid 1:{0x100 + i:x}")
+    cmds.append(f"filter add dev {dev} parent 1: prio 1 protocol ip u32 ht 800:: match ip "
+                f"protocol 6 0xff hashkey mask {mask} at 20 link 2:")
+    r = subprocess.run(["tc", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n",
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise NetnsUnavailable(f"tc per-flow cap {rate} failed: {r.stderr.strip()[:500]}")
+
+
 @contextlib.contextmanager
-def two_hosts(rate=None):
+def two_hosts(rate=None, flow_rate=None):
     """Yield (Host a, Host b): two namespaces with loopback up and a veth link between
     them (Host: namespace name, its address, its veth interface). rate (e.g. "2gbit")
     caps each direction with a token-bucket filter, so the link, not the CPU copying
-    through veth, is the bottleneck, as between real hosts. Raises NetnsUnavailable
-    when they cannot be made; whatever was made is removed."""
+    through veth, is the bottleneck, as between real hosts. flow_rate instead caps each
+    TCP flow in each direction (a cloud's per-flow cap), assuming connections are made
+    from b to a (pyddp's higher ranks connect to the lower ones, and rank 0 is in a).
+    Raises NetnsUnavailable when they cannot be made; whatever was made is removed."""
     if os.geteuid() != 0:
         raise NetnsUnavailable("network namespaces need root")
     if shutil.which("ip") is None:
@@ -61,6 +86,8 @@ def two_hosts(rate=None):
                                    capture_output=True, text=True, timeout=20)
                 if r.returncode != 0:
                     raise NetnsUnavailable(f"tc tbf rate {rate} failed: {r.stderr.strip()}")
+            elif flow_rate:   # a's egress: flows to b's ephemeral ports; b's: from them
+                _cap_each_flow(n, v, flow_rate, "dport" if n == ns[0] else "sport")
         yield Host(ns[0], addr[0], veth[0]), Host(ns[1], addr[1], veth[1])
     finally:
         for n in made:

@@ -19,7 +19,7 @@ void ddp_hello_encode(const ddp_hello *h, unsigned char out[DDP_HELLO_BYTES]) {
     ddp_le_put32(out + 16, (uint32_t)h->rank);
     ddp_le_put32(out + 20, (uint32_t)h->size);
     ddp_le_put32(out + 24, h->flags);
-    ddp_le_put32(out + 28, 0);
+    ddp_le_put32(out + 28, h->stream);
 }
 
 void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h) {
@@ -29,10 +29,15 @@ void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h) {
     h->rank = (int32_t)ddp_le_get32(in + 16);
     h->size = (int32_t)ddp_le_get32(in + 20);
     h->flags = ddp_le_get32(in + 24);
+    h->stream = ddp_le_get32(in + 28);
 }
 
-void ddp_hello_purpose(uint64_t tag, int from, int to, int size, char *out, size_t len) {
-    snprintf(out, len, "pyddp data link %016" PRIx64 " %d->%d of %d", tag, from, to, size);
+void ddp_hello_purpose(uint64_t tag, int from, int to, int size, int stream, char *out,
+                       size_t len) {
+    int k = snprintf(out, len, "pyddp data link %016" PRIx64 " %d->%d of %d", tag, from, to,
+                     size);
+    if (stream > 0 && k >= 0 && (size_t)k < len)   /* stream 0: as before striping */
+        snprintf(out + k, len - (size_t)k, " stream %d", stream);
 }
 
 static ddp_status send_reply(int fd, uint32_t verdict, ddp_wait w, const char *addr) {

@@ -6,7 +6,10 @@
  *
  * On the wire (little-endian): hello = u32 magic, u32 wire version, u64
  * group tag, i32 rank, i32 size, u32 flags (bit 0: the sender has a token),
- * u32 zero: 32 bytes. Reply = u32 magic, u32 verdict: 8 bytes. With
+ * u32 stream: 32 bytes. stream is the connection's index among the sockets
+ * of one striped link (PYDDP_NSOCKS_PERPEER): 0 for the first, the one every
+ * pair has (so a hello from before striping, which sent zero there, reads
+ * the same), 1.. for the extra ones made after the shared-memory upgrade. Reply = u32 magic, u32 verdict: 8 bytes. With
  * verdict DDP_HELLO_AUTH the challenge-response of ddp_auth.h follows, the
  * connecting rank being the initiator.
  */
@@ -42,14 +45,17 @@ typedef struct ddp_hello {
     int32_t rank;
     int32_t size;
     uint32_t flags;
+    uint32_t stream; /* 0: the link's first socket; k > 0: its extra socket k */
 } ddp_hello;
 
 void ddp_hello_encode(const ddp_hello *h, unsigned char out[DDP_HELLO_BYTES]);
 void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h);
 
-/* The purpose string both ends of the link from rank `from` to rank `to`
- * authenticate (group tag and both ranks, so a proof fits one link only). */
-void ddp_hello_purpose(uint64_t tag, int from, int to, int size, char *out, size_t len);
+/* The purpose string both ends of socket `stream` of the link from rank
+ * `from` to rank `to` authenticate (group tag, both ranks and, for extra
+ * sockets, the stream, so a proof fits one connection only). */
+void ddp_hello_purpose(uint64_t tag, int from, int to, int size, int stream, char *out,
+                       size_t len);
 
 /* Connecting side, after sending its hello: read the reply and, if asked,
  * authenticate as initiator. DDP_OK: the link is up. DDP_ERR_AUTH with a

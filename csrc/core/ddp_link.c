@@ -7,7 +7,9 @@
  * and the full-mesh exchanges of the collectives. It tries every unfinished
  * transfer, and only when none moved does it sleep in poll() on the links'
  * descriptors (slices of at most ddp_wait_slice, so the abort flag is seen
- * within 100 ms), or spin and yield for transports without a descriptor.
+ * within 100 ms; a link striped over several sockets lists each socket that
+ * still has bytes of its call to move, poll_fds), or spin and yield for
+ * transports without a descriptor.
  * While nothing moves it asks the waiting links' check op, about once a
  * second, whether their peer still answers (a TCP peer whose host vanished).
  */
@@ -70,24 +72,66 @@ static ddp_status xfer_try(ddp_xfer *t, int *moved) {
     return st;
 }
 
+/* Descriptors to poll, on the stack up to STACK_FDS, else on the heap. */
+typedef struct fdset {
+    struct pollfd *fds;
+    int cap;
+    struct pollfd stack[STACK_FDS];
+} fdset;
+
+/* Room for at least need entries, keeping the first `keep`. */
+static ddp_status fdset_reserve(fdset *s, int need, int keep) {
+    if (need <= s->cap) return DDP_OK;
+    int cap = need * 2;
+    struct pollfd *p = malloc((size_t)cap * sizeof *p);
+    if (p == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory polling %d descriptors", need);
+    memcpy(p, s->fds, (size_t)keep * sizeof *p);
+    if (s->fds != s->stack) free(s->fds);
+    s->fds = p;
+    s->cap = cap;
+    return DDP_OK;
+}
+
+/* Append the descriptors of transfer t's link to s->fds[0..*nfds) (several
+ * for a link striped over several sockets: poll_fds); *none = 1 and nothing
+ * appended when the link has no descriptor (it must be spun on). */
+static ddp_status fds_of(const ddp_xfer *t, fdset *s, int *nfds, int *none) {
+    ddp_link *l = t->link;
+    *none = 0;
+    if (l->ops->poll_fds == NULL) {
+        int fd = l->ops->wait_fd(l);
+        if (fd < 0) return (*none = 1), DDP_OK;
+        ddp_status st = fdset_reserve(s, *nfds + 1, *nfds);
+        if (st != DDP_OK) return st;
+        s->fds[(*nfds)++] = (struct pollfd){fd, t->send ? POLLOUT : POLLIN, 0};
+        return DDP_OK;
+    }
+    for (;;) {
+        int room = s->cap - *nfds;
+        int k = l->ops->poll_fds(l, t->send, s->fds + *nfds, room);
+        if (k <= room) {
+            *nfds += k;
+            return DDP_OK;
+        }
+        ddp_status st = fdset_reserve(s, *nfds + k, *nfds);
+        if (st != DDP_OK) return st;
+    }
+}
+
 /* Sleep until some unfinished transfer's link is ready or a slice passes. */
-static ddp_status xfer_wait(ddp_xfer *x, int n, struct pollfd *fds, ddp_wait w,
-                            unsigned *idle) {
+static ddp_status xfer_wait(ddp_xfer *x, int n, fdset *fs, ddp_wait w, unsigned *idle) {
     int nfds = 0, spin = 0, park_alone = 1;
     ddp_link *park = NULL;
+    ddp_status st;
     for (int i = 0; i < n; i++) {
         if (x[i].parked || x[i].done >= x[i].len) continue;
-        int fd = x[i].link->ops->wait_fd(x[i].link);
-        if (fd < 0) {
+        int none = 0;
+        if ((st = fds_of(&x[i], fs, &nfds, &none)) != DDP_OK) return st;
+        if (none) {
             spin = 1;
             if (park == NULL && x[i].link->ops->park) park = x[i].link;
             else if (x[i].link != park) park_alone = 0;
-            continue;
         }
-        fds[nfds].fd = fd;
-        fds[nfds].events = x[i].send ? POLLOUT : POLLIN;
-        fds[nfds].revents = 0;
-        nfds++;
     }
     if (spin) {
         /* Descriptor links are retried on the next round anyway; parking
@@ -95,8 +139,9 @@ static ddp_status xfer_wait(ddp_xfer *x, int n, struct pollfd *fds, ddp_wait w,
         spin_backoff(idle, nfds == 0 ? park : NULL, park_alone);
         return DDP_OK;
     }
-    if (poll(fds, (nfds_t)nfds, ddp_wait_slice(w)) < 0 && errno != EINTR)
-        return ddp_error(DDP_ERR_SYS, "poll() on %d links failed: %s", nfds, strerror(errno));
+    if (poll(fs->fds, (nfds_t)nfds, ddp_wait_slice(w)) < 0 && errno != EINTR)
+        return ddp_error(DDP_ERR_SYS, "poll() on %d descriptors failed: %s", nfds,
+                         strerror(errno));
     return DDP_OK;
 }
 
@@ -126,16 +171,15 @@ static ddp_status xfer_stuck(ddp_status st, const ddp_xfer *t, int64_t start) {
 }
 
 ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
-    struct pollfd stack_fds[STACK_FDS];
-    struct pollfd *fds = stack_fds;
+    fdset fs;
+    fs.fds = fs.stack;
+    fs.cap = STACK_FDS;
     const int64_t start = ddp_now_ms();
     int64_t checked = start; /* last progress (seen when idle) or check */
     int progressed = 0;
     unsigned idle = 0;
     ddp_status st = DDP_OK;
 
-    if (n > STACK_FDS && !(fds = malloc((size_t)n * sizeof *fds)))
-        return ddp_error(DDP_ERR_NOMEM, "out of memory polling %d links", n);
     for (;;) {
         int moved = 0;
         for (int i = 0; i < n; i++) {
@@ -178,10 +222,10 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
             checked = ddp_now_ms();
             if ((st = xfer_check(x, n)) != DDP_OK) goto out;
         }
-        if ((st = xfer_wait(x, n, fds, w, &idle)) != DDP_OK) goto out;
+        if ((st = xfer_wait(x, n, &fs, w, &idle)) != DDP_OK) goto out;
     }
 out:
-    if (fds != stack_fds) free(fds);
+    if (fs.fds != fs.stack) free(fs.fds);
     return st;
 }
 

@@ -1,7 +1,7 @@
 /* ddp_link.h - one point-to-point byte stream between this rank and a peer.
  *
- * A link is a transport-neutral pipe (TCP socket today; shared memory for
- * ranks on one host). Transports implement non-blocking progress functions
+ * A link is a transport-neutral pipe (TCP, over one socket or striped over
+ * several to the same peer; shared memory for ranks on one host). Transports implement non-blocking progress functions
  * in a small table of function pointers; the generic drivers below turn them
  * into blocking calls with deadlines and abort checks, and drive a send and a
  * receive on two different links at once (what a ring step needs, even when
@@ -15,6 +15,7 @@
 #ifndef DDP_LINK_H
 #define DDP_LINK_H
 
+#include <poll.h>
 #include <stddef.h>
 #include "ddp_clock.h"
 #include "ddp_status.h"
@@ -46,6 +47,14 @@ typedef struct ddp_link_ops {
      * whose kernel acknowledged nothing for PYDDP_PEER_DEAD_S (its host or
      * the network is gone; ddp_sock_peer_silent). */
     ddp_status (*check)(ddp_link *l);
+    /* Optional (NULL: the driver polls wait_fd's one descriptor), for links
+     * over several descriptors: the ones to poll() while a transfer in
+     * direction `send` waits, i.e. those that still have bytes of the call
+     * in progress to move (a descriptor with nothing to do must not be
+     * listed: an idle socket is always writable and would make the wait
+     * spin). Fills at most max entries of fds (fd and events) and returns
+     * how many it has, which may exceed max (call again with more room). */
+    int (*poll_fds)(ddp_link *l, int send, struct pollfd *fds, int max);
 } ddp_link_ops;
 
 struct ddp_link {
@@ -94,5 +103,26 @@ void ddp_link_free(ddp_link *l);   /* NULL is a no-op */
  * non-blocking, TCP_NODELAY and 4 MiB buffers, best effort). NULL when out
  * of memory, with fd already closed. */
 ddp_link *ddp_link_tcp_new(int fd, int peer, const char *desc);
+
+/* Most sockets one TCP link may have (PYDDP_NSOCKS_PERPEER's bound). */
+#define DDP_LINK_MAX_STREAMS 16
+/* Segment of a striped TCP link: the link's byte stream (per direction) is
+ * cut into segments of this size, segment k travelling on socket k mod n,
+ * whatever the sizes of the send and receive calls; so both ends must use
+ * the same value (it is a constant of the wire). Chosen by measurement
+ * (docs/performance.md). */
+#define DDP_LINK_STRIPE_BYTES ((size_t)256 << 10)
+
+/* Turn an idle TCP link (no transfer in progress in either direction, and
+ * nothing in flight: both ends call this at the same point of their byte
+ * streams) into one striped over its socket and the k more connected
+ * sockets fds[0..k-1] to the same peer, in the peer's order; the stream
+ * offsets restart at 0. Takes ownership of the fds (tuned like the first),
+ * also on failure. DDP_ERR_INVALID for a link that is not TCP, a transfer
+ * in progress, or more than DDP_LINK_MAX_STREAMS sockets in all. */
+ddp_status ddp_link_tcp_add_streams(ddp_link *l, const int *fds, int k);
+
+/* Sockets of a TCP link (1, or its stripe count); 0 for other links. */
+int ddp_link_tcp_streams(const ddp_link *l);
 
 #endif

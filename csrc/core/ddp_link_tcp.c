@@ -1,12 +1,18 @@
 /* ddp_link_tcp.c - the TCP transport behind ddp_link: non-blocking
  * send(MSG_NOSIGNAL)/recv (ddp_sock_send_some/recv_some) on one connected
- * stream socket.
+ * stream socket, or striped over several connected to the same peer
+ * (PYDDP_NSOCKS_PERPEER; ddp_link_tcp_add_streams): the link's byte stream is
+ * cut into fixed segments dealt round-robin to the sockets by stream offset,
+ * so both ends agree where every byte goes whatever their call sizes, and
+ * each call moves every socket that can move (one full socket never stalls
+ * the others); poll_fds lists the sockets that still have work.
  *
  * Each progress call moves what the kernel takes now; the generic drivers in
  * ddp_link.c retry while bytes move and poll() the socket when they stop.
  * Shutdown uses shutdown(SHUT_RDWR), which is safe from any thread: the
  * peer sees EOF at once, and this rank's own pending poll()/recv() wake up.
- * The descriptor itself is closed only in destroy, so it can never be
+ * Shutdown, the peer-dead check and destroy cover every socket.
+ * The descriptors themselves are closed only in destroy, so none can ever be
  * reused under a thread still polling it.
  *
  * A peer whose host vanished is reported as such ("no answer from rank 1 at
@@ -40,10 +46,29 @@ static int tcp_buffer_bytes(void) {
     return (int)ddp_setting_int("PYDDP_SOCKET_BUFFER_BYTES"); /* bounded to 1 GiB */
 }
 
+/* One direction of a striped link. Segment k of the direction's byte stream
+ * (bytes [k*S, (k+1)*S), S = DDP_LINK_STRIPE_BYTES) travels on socket k mod
+ * n, so socket i carries segments i, i+n, i+2n, ... back to back, and
+ * moved[i] bytes of its share say exactly where in the stream its next byte
+ * is. A call (one buffer, moved by repeated send_some/recv_some until done)
+ * covers stream bytes [at, at+len); every socket moves its part of it as
+ * far as its kernel lets it (bytes beyond the contiguous prefix included),
+ * but never beyond the call, so when the call completes the stream is
+ * exactly at its end. */
+typedef struct tcp_dir {
+    uint64_t moved[DDP_LINK_MAX_STREAMS];
+    uint64_t at;     /* stream offset of the open call's first byte (or of the next call) */
+    const void *buf; /* the open call; NULL: none */
+    size_t len;
+} tcp_dir;
+
 typedef struct tcp_link {
-    int fd;
+    atomic_int n;    /* sockets (1: not striped); fd[0..n) are valid */
+    int fd[DDP_LINK_MAX_STREAMS];
     atomic_int shut; /* set by tcp_shutdown: later failures are ours, not the peer's */
-    _Atomic int64_t silent_since; /* ddp_sock_peer_silent's first look, 0: none */
+    /* ddp_sock_peer_silent's first look per socket, 0: none */
+    _Atomic int64_t silent_since[DDP_LINK_MAX_STREAMS];
+    tcp_dir dir[2];  /* [0] receiving, [1] sending (striped links only) */
     char peer[DDP_ADDR_MAX + 32]; /* "rank 1 at 10.0.0.7", for the peer-dead message */
 } tcp_link;
 
@@ -74,40 +99,142 @@ static ddp_status tcp_checked(const tcp_link *t, ddp_status st) {
     return st;
 }
 
+/* ---- striping ------------------------------------------------------------ */
+
+#define SEG ((uint64_t)DDP_LINK_STRIPE_BYTES)
+
+/* Stream offset of socket i's next byte after it moved `moved` of its share. */
+static uint64_t sock_pos(int n, int i, uint64_t moved) {
+    return (moved / SEG * (uint64_t)n + (uint64_t)i) * SEG + moved % SEG;
+}
+
+/* Open the call (buf, len) in direction d, or check that it is the open one. */
+static ddp_status stripe_call(tcp_dir *d, const void *buf, size_t len, size_t done) {
+    if (d->buf == NULL) {
+        if (done != 0)
+            return ddp_error(DDP_ERR_INTERNAL, "a transfer on a striped link started at byte "
+                             "%zu, not 0", done);
+        d->buf = buf;
+        d->len = len;
+        return DDP_OK;
+    }
+    if (d->buf != buf || d->len != len)
+        return ddp_error(DDP_ERR_INTERNAL, "a transfer on a striped link was left unfinished "
+                         "(%zu bytes) and another one begun: the stream would be misaligned",
+                         d->len);
+    return DDP_OK;
+}
+
+/* Move what every socket of t can move now of the call (buf, len) in
+ * direction `send`; *done = the contiguous prefix of the call moved. On a
+ * socket's failure the message names the stream. */
+static ddp_status stripe_move(tcp_link *t, int send, void *buf, size_t len, size_t *done) {
+    tcp_dir *d = &t->dir[send];
+    ddp_status st = stripe_call(d, buf, len, *done);
+    if (st != DDP_OK) return st;
+    const int n = atomic_load_explicit(&t->n, memory_order_relaxed);
+    const uint64_t base = d->at, end = base + len;
+    uint64_t low = end;
+    for (int i = 0; i < n && st == DDP_OK; i++) {
+        for (;;) {
+            uint64_t pos = sock_pos(n, i, d->moved[i]);
+            if (pos >= end) break;
+            uint64_t seg_end = pos - pos % SEG + SEG;
+            size_t want = (size_t)((seg_end < end ? seg_end : end) - pos), k = 0;
+            char *p = (char *)buf + (pos - base);
+            errno = 0;
+            st = send ? ddp_sock_send_some(t->fd[i], p, want, &k)
+                      : ddp_sock_recv_some(t->fd[i], p, want, &k);
+            d->moved[i] += k;
+            if (st != DDP_OK) {
+                st = ddp_error_prefix(tcp_checked(t, st), "stream %d of %d: ", i + 1, n);
+                break;
+            }
+            if (k < want) break; /* the kernel takes (or has) no more now */
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        uint64_t pos = sock_pos(n, i, d->moved[i]);
+        if (pos < low) low = pos;
+    }
+    *done = (size_t)(low - base);
+    if (*done == len) { /* complete: the stream is at the call's end on every socket */
+        d->buf = NULL;
+        d->at = end;
+    }
+    return st;
+}
+
+/* The descriptors of the sockets that still have bytes of direction
+ * `send`'s open call to move (poll_fds). */
+static int stripe_fds(const tcp_link *t, int send, struct pollfd *fds, int max) {
+    const tcp_dir *d = &t->dir[send];
+    const int n = atomic_load_explicit(&t->n, memory_order_relaxed);
+    int k = 0;
+    for (int i = 0; i < n && d->buf; i++) {
+        if (sock_pos(n, i, d->moved[i]) >= d->at + d->len) continue;
+        if (k < max) fds[k] = (struct pollfd){t->fd[i], send ? POLLOUT : POLLIN, 0};
+        k++;
+    }
+    return k;
+}
+
+/* ---- the ops --------------------------------------------------------------- */
+
+static int striped(const tcp_link *t) {
+    return atomic_load_explicit(&t->n, memory_order_relaxed) > 1;
+}
+
 static ddp_status tcp_send_some(ddp_link *l, const void *buf, size_t n, size_t *done) {
     tcp_link *t = l->impl;
+    if (striped(t)) return *done < n ? stripe_move(t, 1, (void *)buf, n, done) : DDP_OK;
     errno = 0;
-    return tcp_checked(t, ddp_sock_send_some(t->fd, buf, n, done));
+    return tcp_checked(t, ddp_sock_send_some(t->fd[0], buf, n, done));
 }
 
 static ddp_status tcp_recv_some(ddp_link *l, void *buf, size_t n, size_t *done) {
     tcp_link *t = l->impl;
+    if (striped(t)) return *done < n ? stripe_move(t, 0, buf, n, done) : DDP_OK;
     errno = 0;
-    return tcp_checked(t, ddp_sock_recv_some(t->fd, buf, n, done));
+    return tcp_checked(t, ddp_sock_recv_some(t->fd[0], buf, n, done));
 }
 
-/* The check op: data out and nothing acknowledged for PYDDP_PEER_DEAD_S. */
+/* The check op: data out and nothing acknowledged for PYDDP_PEER_DEAD_S, on
+ * any of the link's sockets. */
 static ddp_status tcp_check(ddp_link *l) {
     tcp_link *t = l->impl;
-    int64_t since = atomic_load(&t->silent_since);
-    int dead = ddp_sock_peer_silent(t->fd, &since);
-    atomic_store(&t->silent_since, since);
-    if (!dead || atomic_load(&t->shut)) return DDP_OK;
-    return ddp_sock_peer_dead_error(t->peer);
+    const int n = atomic_load(&t->n);
+    for (int i = 0; i < n; i++) {
+        int64_t since = atomic_load(&t->silent_since[i]);
+        int dead = ddp_sock_peer_silent(t->fd[i], &since);
+        atomic_store(&t->silent_since[i], since);
+        if (dead && !atomic_load(&t->shut)) return ddp_sock_peer_dead_error(t->peer);
+    }
+    return DDP_OK;
 }
 
-static int tcp_wait_fd(ddp_link *l) { return ((tcp_link *)l->impl)->fd; }
+static int tcp_wait_fd(ddp_link *l) { return ((tcp_link *)l->impl)->fd[0]; }
 
+static int tcp_poll_fds(ddp_link *l, int send, struct pollfd *fds, int max) {
+    tcp_link *t = l->impl;
+    if (striped(t)) return stripe_fds(t, send, fds, max);
+    if (max > 0) fds[0] = (struct pollfd){t->fd[0], send ? POLLOUT : POLLIN, 0};
+    return 1;
+}
+
+/* Every socket: the peer sees EOF on each at once. */
 static void tcp_shutdown(ddp_link *l) {
     tcp_link *t = l->impl;
     atomic_store(&t->shut, 1);
-    shutdown(t->fd, SHUT_RDWR);
+    const int n = atomic_load(&t->n);
+    for (int i = 0; i < n; i++) shutdown(t->fd[i], SHUT_RDWR);
 }
 
 static void tcp_destroy(ddp_link *l) {
     tcp_link *t = l->impl;
     if (!t) return;
-    close(t->fd);
+    const int n = atomic_load(&t->n);
+    for (int i = 0; i < n; i++) close(t->fd[i]);
     free(t);
     l->impl = NULL;
 }
@@ -120,6 +247,7 @@ static const ddp_link_ops tcp_ops = {
     .shutdown = tcp_shutdown,
     .destroy = tcp_destroy,
     .check = tcp_check,
+    .poll_fds = tcp_poll_fds,
 };
 
 /* Best-effort tuning: non-blocking, no Nagle delay for small messages, and
@@ -144,13 +272,38 @@ ddp_link *ddp_link_tcp_new(int fd, int peer, const char *desc) {
         return NULL;
     }
     tcp_tune(fd);
-    t->fd = fd;
+    t->fd[0] = fd;
+    atomic_init(&t->n, 1);
     atomic_init(&t->shut, 0);
-    atomic_init(&t->silent_since, 0);
+    for (int i = 0; i < DDP_LINK_MAX_STREAMS; i++) atomic_init(&t->silent_since[i], 0);
     peer_words(desc ? desc : "peer", t->peer, sizeof t->peer);
     l->ops = &tcp_ops;
     l->peer = peer;
     l->impl = t;
     snprintf(l->desc, sizeof l->desc, "%s", desc ? desc : "peer");
     return l;
+}
+
+ddp_status ddp_link_tcp_add_streams(ddp_link *l, const int *fds, int k) {
+    tcp_link *t = l && l->ops == &tcp_ops ? l->impl : NULL;
+    const int n = t ? atomic_load(&t->n) : 0;
+    const char *why = t == NULL ? "it is not a TCP link"
+                      : k < 0 || n + k > DDP_LINK_MAX_STREAMS ? "too many sockets"
+                      : t->dir[0].buf || t->dir[1].buf ? "a transfer is in progress" : NULL;
+    if (why) {
+        for (int i = 0; i < k; i++) close(fds[i]);
+        return ddp_error(DDP_ERR_INVALID, "cannot stripe the link to %s over %d more "
+                         "socket(s): %s", l ? l->desc : "?", k, why);
+    }
+    for (int i = 0; i < k; i++) {
+        tcp_tune(fds[i]);
+        t->fd[n + i] = fds[i];
+    }
+    memset(t->dir, 0, sizeof t->dir);
+    atomic_store(&t->n, n + k); /* after the fds: tcp_shutdown on another thread reads them */
+    return DDP_OK;
+}
+
+int ddp_link_tcp_streams(const ddp_link *l) {
+    return l && l->ops == &tcp_ops ? atomic_load(&((tcp_link *)l->impl)->n) : 0;
 }

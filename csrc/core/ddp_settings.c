@@ -75,6 +75,12 @@ static const ddp_setting_decl table[] = {
     {"PYDDP_SOCKET_BUFFER_BYTES", DDP_SETTING_BYTES, NULL, 0, 0, GIB, CORE,
      "fixed `SO_SNDBUF`/`SO_RCVBUF` for data connections; unset leaves the kernel's buffer "
      "autotuning on (usually best)"},
+    {"PYDDP_NSOCKS_PERPEER", DDP_SETTING_INT, "1", 1, 1, 16, CORE,
+     "TCP connections per pair of ranks that talk over TCP (1 to 16); each link's bytes are "
+     "striped over them in 256 KiB segments. Worth 2-4 where the network caps each flow "
+     "(clouds cap a single TCP flow, e.g. at 5 Gbit/s) or the NIC is faster than one "
+     "connection goes; costs a little where one flow already fills the link (see "
+     "[multi-vm.md](multi-vm.md)). Must be the same on every rank"},
     {"PYDDP_NCCL_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "path of `libnccl.so.2` to load for `backend=\"nccl\"` (see [gpu.md](gpu.md))"},
     {"PYDDP_CUDART_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,

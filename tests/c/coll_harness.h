@@ -130,7 +130,7 @@ static inline void hwrap_destroy(ddp_link *l) {
     free(h);
 }
 static const ddp_link_ops hwrap_ops = {"wrap", hwrap_send, hwrap_recv, hwrap_fd,
-                                       hwrap_shutdown, hwrap_destroy, NULL, NULL};
+                                       hwrap_shutdown, hwrap_destroy, NULL, NULL, NULL};
 
 /* Wrap inner (taken over) and return the wrapper, same peer and desc. */
 static inline ddp_link *hwrap_new(ddp_link *inner, size_t budget, int nofd) {
