@@ -1,7 +1,7 @@
 /* ddp_comm_internal.h - the communicator's private state, shared by the files
  * that implement it: ddp_comm_boot.c (rendezvous, version check, peer
- * connections), ddp_comm.c (work queue, worker thread, subgroups, lifetimes)
- * and ddp_comm_shm.c (the same-host upgrade of links). Nothing outside the
+ * connections), ddp_comm_queue.c (work queue, worker thread), ddp_comm.c
+ * (subgroups, lifetimes) and ddp_comm_shm.c (the same-host upgrade of links). Nothing outside the
  * communicator includes it.
  *
  * Who owns what: a communicator made by ddp_comm_create (a "root") owns the
@@ -62,6 +62,15 @@ struct ddp_comm {
  * desc and host_ids of a freshly allocated root c. On failure the caller
  * frees c. */
 ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store);
+
+/* Mark c's communicator broken (the first reason wins), set its abort flag
+ * and shut every link down so that peers blocked on this rank see EOF at
+ * once (ddp_comm.c). Any thread; caller holds no lock. */
+void ddp_comm_break(ddp_comm *c, const char *reason);
+
+/* The worker thread of a root communicator (ddp_comm_queue.c): runs queued
+ * work in order until the root is stopping and the queue is empty. */
+void *ddp_comm_worker_main(void *arg);
 
 /* FNV-1a hash of a string (group tags). */
 uint64_t ddp_comm_hash(const char *s);
