@@ -218,11 +218,17 @@ void ddp_comm_destroy(ddp_comm *c) {
     if (c->has_worker) {
         pthread_mutex_lock(&c->mu);
         int pending = c->head != NULL || c->running;
+        /* Called from inside an inline run on this thread (a signal handler
+         * run by its check hook): the run still uses the links, so it
+         * finishes the destroy once it returns (ddp_comm_run_inline). */
+        int defer = c->running && c->inline_run && pthread_equal(c->inline_thread, pthread_self());
+        if (defer) c->destroy_deferred = 1;
         pthread_mutex_unlock(&c->mu);
         /* Work still queued or running when the group is destroyed would wait for
          * peers until its deadline: break the group so it fails at once (and peers
          * waiting on this rank see the connection close). */
         if (pending) ddp_comm_abort(c, "destroy_process_group() was called with work pending");
+        if (defer) return;
         pthread_mutex_lock(&c->mu);
         c->stopping = 1;
         pthread_cond_signal(&c->cv);

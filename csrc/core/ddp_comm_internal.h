@@ -7,10 +7,11 @@
  * Who owns what: a communicator made by ddp_comm_create (a "root") owns the
  * links, the rendezvous strings and the engine (queue, worker, broken state).
  * A subgroup owns only its rank map, its borrowed-link array and its group
- * state; it holds a reference on its root and uses the root's engine. The
- * worker thread alone touches links and group state (seq, scratch) while
- * running work; `mu` of the root guards the queue, stopping, broken and the
- * freeing of links.
+ * state; it holds a reference on its root and uses the root's engine. Only
+ * the thread that runs a collective (the worker, or a caller running a small
+ * one inline while the engine is idle; `running` says one does) touches
+ * links and group state (seq, scratch); `mu` of the root guards the queue,
+ * running, stopping, broken and the freeing of links.
  */
 #ifndef DDP_COMM_INTERNAL_H
 #define DDP_COMM_INTERNAL_H
@@ -49,7 +50,11 @@ struct ddp_comm {
     struct ddp_work *head, *tail;
     atomic_int queued;     /* works in the queue (written under mu; the idle worker spins on it) */
     int stopping;
-    int running;           /* the worker is running a collective */
+    int running;           /* a collective is running: the worker's, or an inline one */
+    int inline_run;        /* the running one is inline, on inline_thread */
+    pthread_t inline_thread;
+    int destroy_deferred;  /* destroy was called on inline_thread during its run: the
+                            * inline run finishes it when it returns */
     int broken;
     char broken_msg[1400];
     atomic_int abort_flag; /* set when broken: every wait returns ABORTED */

@@ -1,9 +1,16 @@
 /* ddp_comm_queue.c - the communicator's work queue: work items and their waits,
- * submission (validation on the caller's thread, then the queue), and the worker
- * thread that runs queued collectives in submission order and finishes them
- * (failure messages, breaking the communicator, the stall and failure
- * announcements, the flight record and progress counters). Contract in
- * ddp_comm.h; the lifetimes and the process-group table are in ddp_comm.c.
+ * submission (validation on the caller's thread, then the queue), the worker
+ * thread that runs queued collectives in submission order, the inline run of
+ * a small collective on the caller's thread when nothing is queued, and the one
+ * way both finish a run (failure messages, breaking the communicator, the
+ * stall and failure announcements, the flight record and progress counters).
+ * Contract in ddp_comm.h; the lifetimes and the process-group table are in
+ * ddp_comm.c.
+ *
+ * The engine runs one collective at a time: `running` (root->mu) is set by
+ * whoever runs one, the worker or an inline caller, and the worker does not
+ * dequeue while it is set, so queued and inline collectives never overlap
+ * and run in the order this process called them.
  */
 #include "ddp_comm.h"
 
@@ -42,11 +49,17 @@ static int spin_on(const atomic_int *flag, int64_t until_us) {
     }
 }
 
-struct ddp_work {
+/* One collective to run, queued or inline. */
+typedef struct comm_run {
     ddp_coll_args args;
-    ddp_comm *comm;     /* the group it runs on (referenced) */
+    ddp_comm *comm;     /* the group it runs on (referenced by the work, or by the
+                         * inline caller) */
     int64_t timeout_ms;
     uint64_t flight_id;
+} comm_run;
+
+struct ddp_work {
+    comm_run run;
     void (*notify)(void *);
     void *notify_ctx;
     pthread_mutex_t mu;
@@ -65,7 +78,7 @@ static void work_unref(ddp_work *w) {
     int left = --w->refs;
     pthread_mutex_unlock(&w->mu);
     if (left == 0) {
-        ddp_comm_release(w->comm);
+        ddp_comm_release(w->run.comm);
         pthread_mutex_destroy(&w->mu);
         pthread_cond_destroy(&w->cv);
         free(w);
@@ -101,7 +114,7 @@ ddp_status ddp_work_wait(ddp_work *work, ddp_wait w) {
         if (ddp_wait_expired(w)) {
             pthread_mutex_unlock(&work->mu);
             return ddp_error(DDP_ERR_TIMEOUT, "%s did not finish before the wait's deadline",
-                             ddp_coll_name(work->args.kind));
+                             ddp_coll_name(work->run.args.kind));
         }
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
@@ -140,18 +153,24 @@ static int copy_broken(ddp_comm *c, char *buf, size_t len) {
     return b;
 }
 
-/* Record w's end in the flight record and its group's progress; the worker
- * is idle again. Before work_finish, so a waiter woken by it sees both. */
-static void worker_done(ddp_comm *c, ddp_work *w, ddp_status st) {
-    ddp_comm *g = w->comm;
+static int is_p2p(ddp_coll_kind k) {
+    return k == DDP_COLL_SEND || k == DDP_COLL_RECV || k == DDP_COLL_P2P_BATCH;
+}
+
+/* Record r's end in the flight record and its group's progress; the engine
+ * is idle again (the worker, waiting while an inline run held it, is woken).
+ * Before a work is finished, so a waiter woken by that sees both. */
+static void run_done(ddp_comm *c, const comm_run *r, ddp_status st) {
+    ddp_comm *g = r->comm;
     pthread_mutex_lock(&c->mu);
-    ddp_flight_ended(&c->flight, w->flight_id, st);
-    if (w->args.kind != DDP_COLL_SEND && w->args.kind != DDP_COLL_RECV &&
-        w->args.kind != DDP_COLL_P2P_BATCH) {
+    ddp_flight_ended(&c->flight, r->flight_id, st);
+    if (!is_p2p(r->args.kind)) {
         g->completed++;
-        ddp_flight_get(&c->flight, w->flight_id, &g->last_done);
+        ddp_flight_get(&c->flight, r->flight_id, &g->last_done);
     }
     c->running = 0;
+    c->inline_run = 0;
+    pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -173,9 +192,9 @@ static void failure_announce(ddp_comm *c, const char *what) {
     ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
 }
 
-/* Announce a timeout of w in the stall store (see ddp_comm_set_stall_store).
+/* Announce a timeout of r in the stall store (see ddp_comm_set_stall_store).
  * Best effort, bounded: a store that is gone only loses the announcement. */
-static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
+static void stall_announce(ddp_comm *c, const comm_run *r, const char *what) {
     if (c->stall_store == NULL) return;
     char key[600], val[1200];
     int64_t i = 0;
@@ -185,13 +204,49 @@ static void stall_announce(ddp_comm *c, ddp_work *w, const char *what) {
         return;
     pthread_mutex_lock(&c->mu);
     ddp_flight_entry e = {0};
-    ddp_flight_get(&c->flight, w->flight_id, &e);
+    ddp_flight_get(&c->flight, r->flight_id, &e);
     pthread_mutex_unlock(&c->mu);
     uint64_t seq = e.seq;
     snprintf(val, sizeof val, "rank=%d;tag=%016llx;seq=%llu;what=%s", c->rank,
-             (unsigned long long)w->comm->group.tag, (unsigned long long)seq, what);
+             (unsigned long long)r->comm->group.tag, (unsigned long long)seq, what);
     snprintf(key, sizeof key, "/%s/stuck/%lld", c->stall_prefix, (long long)i);
     ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
+}
+
+/* Run r's collective on this thread (the engine is marked running and r's
+ * flight entry started), then finish it as every run finishes: on failure
+ * the message (with what to do about a timeout), the stall announcement,
+ * breaking the communicator and the failure announcement; then run_done.
+ * check/check_ctx: the wait's check hook (ddp_clock.h), NULL for none.
+ * Returns the status, with the message in msg on failure. */
+static ddp_status run_collective(ddp_comm *c, const comm_run *r, int (*check)(void *),
+                                 void *check_ctx, char *msg, size_t len) {
+    ddp_wait wt = ddp_wait_for(r->timeout_ms, &c->abort_flag);
+    wt.check = check;
+    wt.check_ctx = check_ctx;
+    ddp_status st = ddp_coll_run(&r->comm->group, &r->args, wt);
+    if (st == DDP_OK) {
+        run_done(c, r, DDP_OK);
+        return DDP_OK;
+    }
+    /* The algorithms' messages already name the collective, the rank and
+     * the peer; add what the user can do about a timeout. */
+    char bmsg[sizeof c->broken_msg];
+    if (st == DDP_ERR_TIMEOUT)
+        snprintf(msg, len, "%s (timeout %.1f s). A peer may be stuck, dead, or "
+                 "calling a different collective; the timeout is set by "
+                 "init_process_group(timeout=...) or PYDDP_TIMEOUT.", ddp_last_error(),
+                 r->timeout_ms / 1000.0);
+    else if (st == DDP_ERR_ABORTED && copy_broken(c, bmsg, sizeof bmsg))
+        snprintf(msg, len, "rank %d: %s aborted: %s", c->rank, ddp_coll_name(r->args.kind),
+                 bmsg);
+    else
+        snprintf(msg, len, "%s", ddp_last_error());
+    if (st == DDP_ERR_TIMEOUT) stall_announce(c, r, msg);
+    ddp_comm_break(c, msg);
+    if (st != DDP_ERR_TIMEOUT) failure_announce(c, msg);
+    run_done(c, r, st);
+    return st;
 }
 
 void *ddp_comm_worker_main(void *arg) {
@@ -199,56 +254,35 @@ void *ddp_comm_worker_main(void *arg) {
     for (;;) {
         /* Idle: spin briefly for the next submission (back-to-back small
          * collectives) before sleeping on cv. destroy sets stopping and
-         * signals cv under mu, which the wait below sees. */
+         * signals cv under mu, which the wait below sees; an inline run
+         * (running set) signals cv when it ends. */
         spin_on(&c->queued, ddp_now_us() + WORKER_SPIN_US);
         pthread_mutex_lock(&c->mu);
-        while (c->head == NULL && !c->stopping) pthread_cond_wait(&c->cv, &c->mu);
+        while (c->running || (c->head == NULL && !c->stopping))
+            pthread_cond_wait(&c->cv, &c->mu);
         ddp_work *w = c->head;
         if (w == NULL) { pthread_mutex_unlock(&c->mu); break; }
         c->head = w->next;
         if (c->head == NULL) c->tail = NULL;
         atomic_fetch_sub_explicit(&c->queued, 1, memory_order_relaxed);
         c->running = 1;
-        ddp_flight_started(&c->flight, w->flight_id);
+        ddp_flight_started(&c->flight, w->run.flight_id);
         int broken = c->broken;
         char bmsg[sizeof c->broken_msg];
         if (broken) memcpy(bmsg, c->broken_msg, sizeof bmsg);
         pthread_mutex_unlock(&c->mu);
 
+        char msg[1400];
         if (broken) {
-            char msg[1400];
             snprintf(msg, sizeof msg,
                      "rank %d: %s cannot run: the process group is broken by an earlier "
-                     "error: %s", c->rank, ddp_coll_name(w->args.kind), bmsg);
-            worker_done(c, w, DDP_ERR_ABORTED);
+                     "error: %s", c->rank, ddp_coll_name(w->run.args.kind), bmsg);
+            run_done(c, &w->run, DDP_ERR_ABORTED);
             work_finish(w, DDP_ERR_ABORTED, msg);
             continue;
         }
-        ddp_wait wt = ddp_wait_for(w->timeout_ms, &c->abort_flag);
-        ddp_status st = ddp_coll_run(&w->comm->group, &w->args, wt);
-        if (st == DDP_OK) {
-            worker_done(c, w, DDP_OK);
-            work_finish(w, DDP_OK, NULL);
-            continue;
-        }
-        /* The algorithms' messages already name the collective, the rank and
-         * the peer; add what the user can do about a timeout. */
-        char msg[1400];
-        if (st == DDP_ERR_TIMEOUT)
-            snprintf(msg, sizeof msg, "%s (timeout %.1f s). A peer may be stuck, dead, or "
-                     "calling a different collective; the timeout is set by "
-                     "init_process_group(timeout=...) or PYDDP_TIMEOUT.", ddp_last_error(),
-                     w->timeout_ms / 1000.0);
-        else if (st == DDP_ERR_ABORTED && copy_broken(c, bmsg, sizeof bmsg))
-            snprintf(msg, sizeof msg, "rank %d: %s aborted: %s", c->rank,
-                     ddp_coll_name(w->args.kind), bmsg);
-        else
-            snprintf(msg, sizeof msg, "%s", ddp_last_error());
-        if (st == DDP_ERR_TIMEOUT) stall_announce(c, w, msg);
-        ddp_comm_break(c, msg);
-        if (st != DDP_ERR_TIMEOUT) failure_announce(c, msg);
-        worker_done(c, w, st);
-        work_finish(w, st, msg);
+        ddp_status st = run_collective(c, &w->run, NULL, NULL, msg, sizeof msg);
+        work_finish(w, st, st == DDP_OK ? NULL : msg);
     }
     return NULL;
 }
@@ -271,31 +305,54 @@ static uint64_t call_bytes(const ddp_comm *g, const ddp_coll_args *a) {
     }
 }
 
+/* Validate a's arguments for group g (before anything is sent). */
+static ddp_status check_args(ddp_comm *g, const ddp_coll_args *a) {
+    ddp_status st = ddp_coll_validate(&g->group, a);
+    if (st != DDP_OK)
+        return ddp_error_prefix(st, "rank %d: %s: ", g->root->rank, ddp_coll_name(a->kind));
+    return DDP_OK;
+}
+
+/* Under c->mu: why a call on g cannot run now (broken, destroyed), or DDP_OK. */
+static ddp_status refuse_locked(ddp_comm *c, ddp_comm *g, const ddp_coll_args *a) {
+    if (c->broken)
+        return ddp_error(DDP_ERR_ABORTED, "rank %d: %s cannot run: the process group is broken "
+                         "by an earlier error: %s", c->rank, ddp_coll_name(a->kind),
+                         c->broken_msg);
+    if (c->stopping || g->destroyed)
+        return ddp_error(DDP_ERR_INVALID, "rank %d: %s: the process group was destroyed",
+                         c->rank, ddp_coll_name(a->kind));
+    return DDP_OK;
+}
+
+/* Under c->mu: count a call on g (collectives only) and enter it in the
+ * flight record as queued; returns its flight id. */
+static uint64_t record_locked(ddp_comm *c, ddp_comm *g, const ddp_coll_args *a) {
+    ddp_flight_entry fe = {.tag = g->group.tag, .seq = is_p2p(a->kind) ? 0 : ++g->submitted,
+                           .kind = a->kind, .dtype = a->dtype, .op = a->op, .root = a->root,
+                           .group_rank = g->rank, .group_size = g->size,
+                           .bytes = call_bytes(g, a)};
+    return ddp_flight_queued(&c->flight, &fe);
+}
+
 ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_pg_opts *o,
                                 ddp_work **out) {
     ddp_comm *c = g->root;
     *out = NULL;
-    ddp_status st = ddp_coll_validate(&g->group, a);
-    if (st != DDP_OK) return ddp_error_prefix(st, "rank %d: %s: ", c->rank, ddp_coll_name(a->kind));
+    ddp_status st = check_args(g, a);
+    if (st != DDP_OK) return st;
     ddp_work *w = calloc(1, sizeof *w);
     if (w == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory queuing a collective");
-    w->args = *a;
-    w->timeout_ms = o && o->timeout_ms >= 0 ? o->timeout_ms : g->timeout_ms;
+    w->run.args = *a;
+    w->run.timeout_ms = o && o->timeout_ms >= 0 ? o->timeout_ms : g->timeout_ms;
     w->notify = o ? o->notify : NULL;
     w->notify_ctx = o ? o->notify_ctx : NULL;
     w->refs = 2;
-    w->comm = g;
+    w->run.comm = g;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&c->mu);
-    if (c->broken || c->stopping || g->destroyed) {
-        if (c->broken)
-            st = ddp_error(DDP_ERR_ABORTED, "rank %d: %s cannot run: the process group is broken "
-                           "by an earlier error: %s", c->rank, ddp_coll_name(a->kind),
-                           c->broken_msg);
-        else
-            st = ddp_error(DDP_ERR_INVALID, "rank %d: %s: the process group was destroyed",
-                           c->rank, ddp_coll_name(a->kind));
+    if ((st = refuse_locked(c, g, a)) != DDP_OK) {
         pthread_mutex_unlock(&c->mu);
         pthread_mutex_destroy(&w->mu);
         pthread_cond_destroy(&w->cv);
@@ -303,12 +360,7 @@ ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_p
         return st;
     }
     ddp_comm_retain(g);
-    int p2p = a->kind == DDP_COLL_SEND || a->kind == DDP_COLL_RECV || a->kind == DDP_COLL_P2P_BATCH;
-    ddp_flight_entry fe = {.tag = g->group.tag, .seq = p2p ? 0 : ++g->submitted,
-                           .kind = a->kind, .dtype = a->dtype, .op = a->op, .root = a->root,
-                           .group_rank = g->rank, .group_size = g->size,
-                           .bytes = call_bytes(g, a)};
-    w->flight_id = ddp_flight_queued(&c->flight, &fe);
+    w->run.flight_id = record_locked(c, g, a);
     if (c->tail) c->tail->next = w; else c->head = w;
     c->tail = w;
     atomic_fetch_add_explicit(&c->queued, 1, memory_order_release);
@@ -316,6 +368,47 @@ ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_p
     pthread_mutex_unlock(&c->mu);
     *out = w;
     return DDP_OK;
+}
+
+ddp_status ddp_comm_run_inline(ddp_comm *g, const ddp_coll_args *a, int64_t timeout_ms,
+                               int (*check)(void *ctx), void *check_ctx, int *taken) {
+    ddp_comm *c = g->root;
+    *taken = 0;
+    if ((a->kind != DDP_COLL_ALLREDUCE && a->kind != DDP_COLL_BROADCAST &&
+         a->kind != DDP_COLL_REDUCE && a->kind != DDP_COLL_BARRIER) ||
+        call_bytes(g, a) > g->group.small_bytes || !c->has_worker)
+        return DDP_OK;
+    *taken = 1;
+    ddp_status st = check_args(g, a);
+    if (st != DDP_OK) return st;
+    pthread_mutex_lock(&c->mu);
+    if (c->running || c->head != NULL) {    /* busy: behind the queue it goes */
+        pthread_mutex_unlock(&c->mu);
+        *taken = 0;
+        return DDP_OK;
+    }
+    if ((st = refuse_locked(c, g, a)) != DDP_OK) {
+        pthread_mutex_unlock(&c->mu);
+        return st;
+    }
+    comm_run r = {.args = *a, .comm = g,
+                  .timeout_ms = timeout_ms >= 0 ? timeout_ms : g->timeout_ms};
+    r.flight_id = record_locked(c, g, a);
+    ddp_flight_started(&c->flight, r.flight_id);
+    c->running = 1;
+    c->inline_run = 1;
+    c->inline_thread = pthread_self();
+    pthread_mutex_unlock(&c->mu);
+
+    char msg[1400];
+    st = run_collective(c, &r, check, check_ctx, msg, sizeof msg);
+    pthread_mutex_lock(&c->mu);
+    int deferred = c->destroy_deferred;
+    c->destroy_deferred = 0;
+    pthread_mutex_unlock(&c->mu);
+    if (deferred) ddp_comm_destroy(c);   /* called during the run, on this thread */
+    if (st != DDP_OK) ddp_set_error_text(msg);
+    return st;
 }
 
 ddp_status ddp_comm_submit(ddp_comm *c, const ddp_coll_args *a, int64_t timeout_ms,
