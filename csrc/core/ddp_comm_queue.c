@@ -168,9 +168,11 @@ static void run_done(ddp_comm *c, const comm_run *r, ddp_status st) {
         g->completed++;
         ddp_flight_get(&c->flight, r->flight_id, &g->last_done);
     }
+    /* the worker waits while an inline run holds the engine: wake it only if
+     * it has something to do (a wake-up per call would cost what inline saves) */
+    if (c->inline_run && (c->head != NULL || c->stopping)) pthread_cond_signal(&c->cv);
     c->running = 0;
     c->inline_run = 0;
-    pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
 
