@@ -26,27 +26,21 @@ def test_late_peer_falls_back_to_the_parked_wait():
     assert max(r["waited"] for r in rs) >= 1.0, rs
 
 
-def test_peer_dying_during_back_to_back_calls():
-    res = spawn_ranks("lean_path.py", 3, args=["dies"], env={"PYDDP_TIMEOUT": "120"},
+@pytest.mark.parametrize("how", ["dies", "killed"])
+def test_peer_dying_during_small_calls(how):
+    """dies: exits between back-to-back calls; killed: SIGKILL while the others wait
+    inline for it."""
+    res = spawn_ranks("lean_path.py", 3, args=[how], env={"PYDDP_TIMEOUT": "120"},
                       timeout=120)
     rs = [r for r in results(res) if "cls" in r]
     assert len(rs) == 2, [r.output[-3000:] for r in res]
     for r in rs:
         assert r["cls"] and "DistError" in r["cls"], r
         assert r["seconds"] < 15, r           # far below the 120 s timeout
+        if how == "killed":
+            assert "rank 2" in r["msg"], r    # names the rank that died
     after = [r for r in results(res) if "after" in r]
     assert len(after) == 2 and all(a["after"] and a["seconds_after"] < 2 for a in after), after
-
-
-def test_peer_killed_during_an_inline_wait():
-    res = spawn_ranks("lean_path.py", 3, args=["killed"], env={"PYDDP_TIMEOUT": "120"},
-                      timeout=120)
-    rs = [r for r in results(res) if "cls" in r]
-    assert len(rs) == 2, [r.output[-3000:] for r in res]
-    for r in rs:
-        assert r["cls"] and "DistError" in r["cls"], r
-        assert "rank 2" in r["msg"], r        # names the rank that died
-        assert r["seconds"] < 15, r           # far below the 120 s timeout
 
 
 def test_mismatched_counts_are_a_mismatch_error():

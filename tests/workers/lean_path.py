@@ -201,13 +201,18 @@ def sc_late(rank, ws):
     dist.destroy_process_group()
 
 
-def sc_dies(rank, ws):
+def sc_dies(rank, ws, kill=False):
+    """The last rank exits while the others call back to back, or (kill) SIGKILLs
+    itself a second after they started waiting for it (inline)."""
     dist.init_process_group("cpu")
     x = np.ones(4, np.float32)
     for _ in range(500):
         dist.all_reduce(x)
         x[:] = 1
     if rank == ws - 1:
+        if kill:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
         os._exit(3)
     cls, msg, dt = expect_error(lambda: [dist.all_reduce(x) for _ in range(1_000_000)])
     report(rank=rank, cls=classes(cls) if cls else None, msg=msg, seconds=round(dt, 2))
@@ -216,16 +221,7 @@ def sc_dies(rank, ws):
 
 
 def sc_killed(rank, ws):
-    dist.init_process_group("cpu")
-    x = np.ones(4, np.float32)
-    for _ in range(200):
-        dist.all_reduce(x)
-        x[:] = 1
-    if rank == ws - 1:
-        time.sleep(1.0)                    # the others are parked in an inline wait
-        os.kill(os.getpid(), signal.SIGKILL)
-    cls, msg, dt = expect_error(lambda: dist.all_reduce(x))
-    report(rank=rank, cls=classes(cls) if cls else None, msg=msg, seconds=round(dt, 2))
+    sc_dies(rank, ws, kill=True)
 
 
 def sc_mismatch(rank, ws):
