@@ -31,6 +31,7 @@ one-time rebuild of buckets in the order gradients arrived on rank 0.
 import numpy as np
 
 from . import _C, _forensics
+from . import collectives as _coll
 from ._nccl_backend import caller_stream
 from . import _arrays as A
 
@@ -167,6 +168,14 @@ class CPath(BucketEngine):
         self._c.attach(pg if world_size > 1 else None, self.buckets)
 
     def ready(self, i, grad, copy_back):
+        # A contiguous CPU torch tensor goes by address (the lean path's test): no
+        # NumPy view or DLPack capsule per gradient.
+        if type(grad) is _coll._torch_tensor or (_coll._torch_tensor is None and grad is not
+                                                  None and _coll._torch_code(grad) is not None):
+            code = _coll._torch_code(grad)
+            if code is not None:
+                self._c.ready(i, grad, copy_back, grad.data_ptr(), grad.numel(), code)
+                return
         if grad is not None and not A.is_contiguous(grad):
             if copy_back:
                 self._copy_back[i] = grad
@@ -355,7 +364,7 @@ class GradSync:
                        f"backward calls). Its bucket was already being reduced. If the graph "
                        f"is the same every iteration, pass static_graph=True.")
         try:
-            self._ready(i)
+            self._ready(i, g)
         except BaseException as e:
             # Raised inside autograd: remember why, so the next forward explains it
             # instead of reporting missing gradients.
@@ -372,8 +381,10 @@ class GradSync:
         """gradient_as_bucket_view applies to parameter i (its bucket has its dtype)."""
         return self.view_mode and not self.engine.converted[i]
 
-    def _ready(self, i):
-        g = self.get_grad(i)
+    def _ready(self, i, g=None):
+        """Parameter i's gradient g (None: read it) is final: hand it to the engine."""
+        if g is None:
+            g = self.get_grad(i)
         if self._viewed(i):
             view = self.engine.views[i]
             self.engine.ready(i, g, False)

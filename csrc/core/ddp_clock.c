@@ -19,6 +19,8 @@ ddp_wait ddp_wait_for(int64_t timeout_ms, const atomic_int *abort) {
     ddp_wait w;
     w.deadline_ms = timeout_ms < 0 ? DDP_NO_DEADLINE : ddp_now_ms() + timeout_ms;
     w.abort = abort;
+    w.check = NULL;
+    w.check_ctx = NULL;
     return w;
 }
 

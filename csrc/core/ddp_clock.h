@@ -4,6 +4,12 @@
  * the monotonic clock plus an optional abort flag. Waits sleep in slices of at
  * most DDP_WAIT_SLICE_MS so that setting the flag (from another thread, a
  * signal handler or Python's Ctrl-C path) returns control within that slice.
+ *
+ * A wait may also carry a check hook: for a thread that waits in the core
+ * itself and must still notice something only it can see (Python's Ctrl-C
+ * on the main thread, which needs the GIL). Waits that park ask it at most
+ * every DDP_WAIT_SLICE_MS, never while spinning; nonzero ends the wait with
+ * DDP_ERR_ABORTED. ddp_wait_for leaves it unset.
  */
 #ifndef DDP_CLOCK_H
 #define DDP_CLOCK_H
@@ -17,6 +23,8 @@
 typedef struct ddp_wait {
     int64_t deadline_ms;        /* absolute, ddp_now_ms() scale */
     const atomic_int *abort;    /* may be NULL; nonzero means abort */
+    int (*check)(void *ctx);    /* may be NULL: the check hook (see above) */
+    void *check_ctx;
 } ddp_wait;
 
 /* Milliseconds on CLOCK_MONOTONIC. */

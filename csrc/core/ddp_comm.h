@@ -10,7 +10,8 @@
  *
  * Threads: the caller's thread submits work; one worker thread per
  * communicator runs it in submission order, so all ranks see the same
- * sequence. Submitting never blocks on the network. Argument validation
+ * sequence (a small blocking call may run on the caller's thread instead,
+ * ddp_comm_run_inline, when nothing is queued ahead of it). Submitting never blocks on the network. Argument validation
  * happens in ddp_comm_submit, on the caller's thread, before anything is
  * queued. After any communication failure the communicator is "broken":
  * every link is shut down (so peers blocked on this rank fail within
@@ -109,6 +110,23 @@ ddp_status ddp_comm_submit(ddp_comm *c, const ddp_coll_args *a,
 /* The same with options (timeout, completion notification; ddp_pg.h). */
 ddp_status ddp_comm_submit_opts(ddp_comm *c, const ddp_coll_args *a, const ddp_pg_opts *o,
                                 ddp_work **out);
+
+/* The inline fast path of a blocking small collective (ALLREDUCE, BROADCAST,
+ * REDUCE, BARRIER of at most PYDDP_SMALL_BYTES): if the engine is idle (no
+ * work queued or running) and the group usable, run it on the calling thread
+ * now, exactly as the worker would (header exchange, sequence number, flight
+ * record, progress counters, timeout, breaking on failure) and return its
+ * status with *taken = 1; validation and "broken"/"destroyed" errors also
+ * come with *taken = 1. Otherwise (another kind, too big, the engine busy)
+ * *taken = 0 and nothing happened: submit it instead. The wait spins, then
+ * parks as the worker's does; check(check_ctx), if given, is asked while it
+ * parks, at most every DDP_WAIT_SLICE_MS (nonzero aborts the run: the caller
+ * should have broken the group first, e.g. ddp_comm_abort, so that peers fail
+ * too). Work submitted meanwhile by other threads runs after it. The caller
+ * holds a reference on g; a ddp_comm_destroy of g's communicator from check
+ * (on this thread) is finished when the run returns. */
+ddp_status ddp_comm_run_inline(ddp_comm *g, const ddp_coll_args *a, int64_t timeout_ms,
+                               int (*check)(void *ctx), void *check_ctx, int *taken);
 
 /* Nonzero once the work finished (successfully or not). Never blocks. */
 int ddp_work_done(ddp_work *w);

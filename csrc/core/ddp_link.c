@@ -11,7 +11,9 @@
  * still has bytes of its call to move, poll_fds), or spin and yield for
  * transports without a descriptor.
  * While nothing moves it asks the waiting links' check op, about once a
- * second, whether their peer still answers (a TCP peer whose host vanished).
+ * second, whether their peer still answers (a TCP peer whose host vanished),
+ * and the wait's own check hook (ddp_clock.h), if any, every DDP_WAIT_SLICE_MS
+ * once the spin is over.
  */
 #include "ddp_link.h"
 
@@ -176,6 +178,7 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
     fs.cap = STACK_FDS;
     const int64_t start = ddp_now_ms();
     int64_t checked = start; /* last progress (seen when idle) or check */
+    int64_t hooked = start;  /* last call of w.check */
     int progressed = 0;
     unsigned idle = 0;
     ddp_status st = DDP_OK;
@@ -221,6 +224,13 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
         } else if (ddp_now_ms() - checked >= CHECK_EVERY_MS) {
             checked = ddp_now_ms();
             if ((st = xfer_check(x, n)) != DDP_OK) goto out;
+        }
+        if (w.check && ddp_now_ms() - hooked >= DDP_WAIT_SLICE_MS) {   /* past any spin */
+            hooked = ddp_now_ms();
+            if (w.check(w.check_ctx)) {
+                st = xfer_stuck(DDP_ERR_ABORTED, unmet, start);
+                goto out;
+            }
         }
         if ((st = xfer_wait(x, n, &fs, w, &idle)) != DDP_OK) goto out;
     }

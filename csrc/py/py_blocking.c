@@ -5,9 +5,15 @@
  * Ctrl-C wait for it. ddp_py_run_abortable moves the call to a helper thread
  * and keeps the caller in a loop of short GIL-free waits, running the signal
  * handlers between them; a raised KeyboardInterrupt sets the call's abort
- * flag, which every core wait checks within DDP_WAIT_SLICE_MS.
+ * flag, which every core wait checks within DDP_WAIT_SLICE_MS. ddp_py_wait is
+ * the one wait loop for work another thread runs. A call that waits inside
+ * the core on this thread (an inline collective, an NCCL launch) instead gets
+ * a check hook, ddp_py_check_signals, that the core's wait asks while it
+ * parks: it takes the GIL back for a moment and runs the handlers.
  */
 #include "py_common.h"
+
+#include "ddp_comm.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -106,4 +112,48 @@ int ddp_py_wait(int (*slice_fn)(void *ctx, ddp_wait slice), void *ctx, int64_t t
         }
         if (ddp_wait_expired(total)) return 1;
     }
+}
+
+int ddp_py_check_signals(void *p) {
+    ddp_py_sig_check *s = p;
+    if (s->et != NULL) return 1;
+    PyEval_RestoreThread(s->ts);
+    if (PyErr_CheckSignals() < 0) PyErr_Fetch(&s->et, &s->ev, &s->tb);
+    s->ts = PyEval_SaveThread();
+    return s->et != NULL;
+}
+
+typedef struct {
+    ddp_py_sig_check sc;
+    ddp_comm *comm;
+} inline_check;
+
+/* The inline run's check hook: on a handler's exception, abort the group as
+ * ddp_py_wait's callers do (peers fail fast, the message says why), then end
+ * the run. */
+static int inline_hook(void *p) {
+    inline_check *ic = p;
+    if (!ddp_py_check_signals(&ic->sc)) return 0;
+    ddp_comm_abort(ic->comm, DDP_PY_SIGNAL_ABORT);
+    return 1;
+}
+
+int ddp_py_run_inline(ddp_comm *c, const ddp_coll_args *a, int64_t timeout_ms) {
+    inline_check ic = {{NULL, NULL, NULL, NULL}, c};
+    int taken = 0;
+    ddp_comm_retain(c);   /* against a destroy() from a handler or another thread */
+    ic.sc.ts = PyEval_SaveThread();
+    ddp_status st = ddp_comm_run_inline(c, a, timeout_ms, inline_hook, &ic, &taken);
+    PyEval_RestoreThread(ic.sc.ts);
+    ddp_comm_release(c);
+    if (ic.sc.et != NULL) {
+        PyErr_Restore(ic.sc.et, ic.sc.ev, ic.sc.tb);
+        return -1;
+    }
+    if (!taken) return 1;
+    if (st != DDP_OK) {
+        ddp_py_raise(st, NULL);
+        return -1;
+    }
+    return 0;
 }

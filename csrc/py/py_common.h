@@ -40,6 +40,33 @@ int ddp_py_run_abortable(void (*fn)(void *), void *arg, atomic_int *abort);
 int ddp_py_wait(int (*slice_fn)(void *ctx, ddp_wait slice), void *ctx, int64_t timeout_ms,
                 void (*on_signal)(void *ctx));
 
+/* Why a wait interrupted by a signal handler's exception aborts its group. */
+#define DDP_PY_SIGNAL_ABORT "interrupted by a signal (Ctrl-C) while waiting"
+
+/* Running Python's signal handlers from inside a C call that released the
+ * GIL (a check hook: ddp_pg_interrupt, ddp_wait.check): ts is the thread
+ * state PyEval_SaveThread returned; ddp_py_check_signals takes the GIL back
+ * for a moment, runs the handlers, keeps a raised exception in et/ev/tb (for
+ * the caller to PyErr_Restore once it holds the GIL again) and returns
+ * nonzero from then on. Threads other than the main thread see no signals. */
+typedef struct {
+    PyThreadState *ts;
+    PyObject *et, *ev, *tb;
+} ddp_py_sig_check;
+int ddp_py_check_signals(void *sig_check);
+
+/* The inline fast path of a blocking small collective on the CPU
+ * communicator c (ddp_comm_run_inline): runs it on this thread with the GIL
+ * released when the engine is idle, Python's signal handlers asked every
+ * 100 ms while it waits for peers; a handler's exception (Ctrl-C) aborts the
+ * group as ddp_py_wait does, and is raised once the run returned. 0 done, -1
+ * with an exception set (the collective's error or the handler's), 1 not
+ * taken (nothing happened: queue it). Called with the GIL; the arrays of a
+ * must stay valid for the call. */
+struct ddp_comm;
+#include "ddp_coll.h"
+int ddp_py_run_inline(struct ddp_comm *c, const ddp_coll_args *a, int64_t timeout_ms);
+
 /* The CPU communicator behind a pyddp._C.ProcessGroup, with a reference the
  * caller drops with ddp_comm_release; NULL with an exception set when obj is
  * not a ProcessGroup or was destroyed. */

@@ -287,23 +287,6 @@ static int import_opt(PyObject *obj, int writable, const char *name, PyObject *d
                                           ? dl_stream : NULL, out);
 }
 
-/* Lets a slow NCCL launch (GIL released) run Python's signal handlers: the
- * submitting thread takes the GIL back for a moment; a raised exception is
- * kept for submit to re-raise, and aborts the launch. */
-typedef struct {
-    PyThreadState *ts;
-    PyObject *et, *ev, *tb;
-} sig_check;
-
-static int check_signals(void *p) {
-    sig_check *s = p;
-    if (s->et != NULL) return 1;
-    PyEval_RestoreThread(s->ts);
-    if (PyErr_CheckSignals() < 0) PyErr_Fetch(&s->et, &s->ev, &s->tb);
-    s->ts = PyEval_SaveThread();
-    return s->et != NULL;
-}
-
 /* The transport for a call whose arrays are on_gpu: attaches NCCL through the
  * factory on first use. 0 with *out set, or -1 with an exception. */
 int ddp_py_pg_route(PGObject *self, int on_gpu, ddp_pg *out) {
@@ -388,8 +371,8 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
         st = ddp_pg_submit(pg, &ca, &o, &work);   /* queues; never blocks */
     } else {
         /* NCCL's launch can wait for peers: release the GIL, keep Ctrl-C. */
-        sig_check sc = {NULL, NULL, NULL, NULL};
-        ddp_pg_interrupt intr = {check_signals, &sc};
+        ddp_py_sig_check sc = {NULL, NULL, NULL, NULL};
+        ddp_pg_interrupt intr = {ddp_py_check_signals, &sc};
         o.intr = &intr;
         pg.ops->retain(pg.impl);   /* against a destroy() from another thread */
         sc.ts = PyEval_SaveThread();
@@ -417,14 +400,16 @@ static PyObject *pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
 
 /* run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: the lean path
  * of a blocking single-buffer collective (ALLREDUCE, BROADCAST, REDUCE,
- * BARRIER) on host memory: submit and wait in one call, no Work object. `a`
+ * BARRIER) on host memory: run and wait in one call, no Work object. `a`
  * is a contiguous host array, None (BARRIER), or, with count and dtype
  * (ddp_dtype codes, DT_*), the address of `count` elements that the caller
  * keeps alive and unchanged in size for the call (a CPU torch tensor's
- * data_ptr()). The work goes through the same queue as submit (so it runs
- * after anything queued before it, and the header exchange, flight record
- * and timeouts are unchanged) and the wait through ddp_py_wait (Ctrl-C aborts
- * the group). Returns NotImplemented for a GPU array (use submit). */
+ * data_ptr()). A small one (PYDDP_SMALL_BYTES) runs inline on this thread
+ * when nothing is queued (ddp_py_run_inline); otherwise the work goes through
+ * the same queue as submit and the wait through ddp_py_wait. Either way it
+ * runs after anything queued before it, the header exchange, flight record
+ * and timeouts are unchanged, and Ctrl-C aborts the group and raises.
+ * Returns NotImplemented for a GPU array (use submit). */
 static PyObject *pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 && nargs != 7)
         return ddp_py_raise(DDP_ERR_INVALID, "run(kind, a, op, root, timeout_ms[, count, "
@@ -477,6 +462,12 @@ static PyObject *pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
+    int rc = ddp_py_run_inline(self->comm, &ca, timeout_ms);
+    if (rc != 1) {   /* ran inline (or failed there) */
+        ddp_py_array_release(&a);
+        if (rc < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     ddp_pg_opts o = {.timeout_ms = timeout_ms};
     ddp_pg_work work;
     ddp_status st = ddp_pg_submit(pg, &ca, &o, &work);   /* queues; never blocks */
@@ -485,7 +476,7 @@ static PyObject *pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
         return ddp_py_raise(st, NULL);
     }
     pg.ops->retain(pg.impl);   /* for the abort on Ctrl-C, against a concurrent destroy() */
-    int rc = ddp_py_work_run(pg, work);
+    rc = ddp_py_work_run(pg, work);
     pg.ops->release(pg.impl);
     ddp_py_array_release(&a);   /* the transport is done with it in every case */
     if (rc < 0) return NULL;
@@ -514,13 +505,13 @@ PyObject *ddp_py_pg_submit_prepared(PGObject *self, ddp_pg pg, ddp_coll_args *ca
     ddp_pg_work work;
     ddp_status st = DDP_OK;
     int rc = 0;
-    sig_check sc = {NULL, NULL, NULL, NULL};
+    ddp_py_sig_check sc = {NULL, NULL, NULL, NULL};
     for (int i = 0; i < n && rc == 0 && !pg.ops->notifies; i++)
         if (arrs[i].owner) rc = ddp_py_nccl_check_array(pg, &arrs[i], "a tensor");
     if (rc == 0 && pg.ops->notifies) {
         st = ddp_pg_submit(pg, ca, &o, &work);   /* queues; never blocks */
     } else if (rc == 0) {
-        ddp_pg_interrupt intr = {check_signals, &sc};
+        ddp_pg_interrupt intr = {ddp_py_check_signals, &sc};
         o.intr = &intr;
         pg.ops->retain(pg.impl);   /* against a destroy() from another thread */
         sc.ts = PyEval_SaveThread();

@@ -11,7 +11,8 @@
  *   Bookkeeping (both paths): begin(), mark_ready(i) -> (first, count),
  *     note_used(i), unready(), arrival(), local_used(), end().
  *   CPU data path: attach(pg, buckets) with a _C.ProcessGroup (or None for
- *     one rank); ready(i, grad, copy_back); finish(track_used);
+ *     one rank); ready(i, grad, copy_back[, ptr, count, dtype]);
+ *     finish(track_used);
  *     global_used(); drain().
  *
  * The Reducer holds references to the bucket arrays and to every gradient
@@ -370,10 +371,16 @@ static int check_comm(ReducerObject *self) {
     return 0;
 }
 
+/* ready(i, grad, copy_back[, ptr, count, dtype]): with ptr, count and dtype
+ * (a ddp_dtype code) grad is not imported: it is the owner (kept alive, like
+ * an imported one) of `count` contiguous host elements at address ptr (a
+ * CPU torch tensor's data_ptr(): no DLPack capsule or NumPy view per call). */
 static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
-    PyObject *idx, *grad;
-    int copy_back;
-    if (!PyArg_ParseTuple(args, "OOp", &idx, &grad, &copy_back)) return NULL;
+    PyObject *idx, *grad, *ptro = NULL;
+    int copy_back, dt = -1;
+    long long count = -1;
+    if (!PyArg_ParseTuple(args, "OOp|OLi", &idx, &grad, &copy_back, &ptro, &count, &dt))
+        return NULL;
     size_t i;
     if (param_index(self, idx, &i) < 0) return NULL;
     if (self->buckets == NULL)
@@ -381,7 +388,17 @@ static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
     if (check_comm(self) < 0) return NULL;
     ddp_py_array g;
     memset(&g, 0, sizeof g);
-    if (grad != Py_None) {
+    if (ptro != NULL) {
+        g.ptr = PyLong_AsVoidPtr(ptro);
+        if (PyErr_Occurred()) return NULL;
+        if (grad == Py_None || count < 0 || dt < 0 || dt >= DDP_DTYPE_COUNT ||
+            (g.ptr == NULL && count > 0))
+            return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: invalid gradient buffer");
+        g.count = (size_t)count;
+        g.dtype = (ddp_dtype)dt;
+        g.device = DDP_DEV_CPU;
+        g.owner = Py_NewRef(grad);
+    } else if (grad != Py_None) {
         if (ddp_py_array_import(grad, copy_back, "gradient", &g) < 0) return NULL;
         if (g.device != DDP_DEV_CPU) {
             ddp_py_array_release(&g);
@@ -485,7 +502,8 @@ static PyMethodDef reducer_methods[] = {
     {"global_used", (PyCFunction)reducer_global_used, METH_NOARGS, "reduced use counts"},
     {"attach", (PyCFunction)reducer_attach, METH_VARARGS, "attach(pg_or_None, buckets)"},
     {"ready", (PyCFunction)reducer_ready, METH_VARARGS,
-     "ready(i, grad_or_None, copy_back): copy into the bucket, launch full buckets"},
+     "ready(i, grad_or_None, copy_back[, ptr, count, dtype]): copy into the bucket, launch "
+     "full buckets (ptr, count, dtype: grad's memory, not imported)"},
     {"finish", (PyCFunction)reducer_finish, METH_VARARGS,
      "finish(track_used): wait for every bucket, copy averages back"},
     {"abort", (PyCFunction)reducer_abort, METH_VARARGS,

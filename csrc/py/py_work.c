@@ -109,7 +109,7 @@ static int wait_slice(void *p, ddp_wait slice) {
 
 static void wait_on_signal(void *p) {
     wait_ctx *c = p;
-    c->pg.ops->abort(c->pg.impl, "interrupted by a signal (Ctrl-C) while waiting");
+    c->pg.ops->abort(c->pg.impl, DDP_PY_SIGNAL_ABORT);
 }
 
 /* Wait for the core work through the one wait loop. 0 done, 1 timed out,

@@ -4,7 +4,10 @@
  * version check, a rank that leaves making the others fail fast, abort, and
  * validation errors that leave the communicator usable, subgroups over the
  * parent's links (interleaved with the parent's work, nested, outliving a
- * destroyed parent by reference). */
+ * destroyed parent by reference), and the inline run of small collectives on
+ * the caller's thread (ddp_comm_run_inline): results, what it declines, order
+ * behind queued work, a late peer, its check hook aborting the run, and a
+ * destroy from inside the hook. */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -28,7 +31,8 @@ typedef struct rank_ctx {
     ddp_comm *comm;
 } rank_ctx;
 
-enum { SC_SUM, SC_VERSION, SC_LEAVE, SC_ABORT, SC_INVALID, SC_SUB, SC_STALL };
+enum { SC_SUM, SC_VERSION, SC_LEAVE, SC_ABORT, SC_INVALID, SC_SUB, SC_STALL, SC_INLINE,
+       SC_INLINE_DESTROY };
 
 static ddp_status make_comm(rank_ctx *c, ddp_store **store) {
     T_OK(ddp_store_connect("127.0.0.1", c->port, ddp_wait_for(5000, NULL), store));
@@ -53,6 +57,128 @@ static ddp_status run_one(ddp_comm *comm, ddp_coll_args *a, int64_t timeout_ms) 
     return st;
 }
 
+/* The check hook of the inline tests: counts its calls; after `abort_after`
+ * calls (0: never) it returns nonzero, or, with `destroy`, destroys the
+ * communicator from inside the run (what a Python signal handler may do). */
+typedef struct hook_ctx {
+    int calls, abort_after;
+    ddp_comm *destroy;
+} hook_ctx;
+
+static int test_hook(void *p) {
+    hook_ctx *h = p;
+    h->calls++;
+    if (h->destroy && h->calls == 1) ddp_comm_destroy(h->destroy);
+    return h->abort_after && h->calls >= h->abort_after;
+}
+
+static ddp_status run_inline(ddp_comm *comm, ddp_coll_args *a, hook_ctx *h, int *taken) {
+    return ddp_comm_run_inline(comm, a, -1, h ? test_hook : NULL, h, taken);
+}
+
+static void inline_scenario(rank_ctx *c) {
+    ddp_comm *comm = c->comm;
+    int taken = 0, n = c->size;
+    float x[8];
+    uint64_t sub0 = 0, done0 = 0, sub = 0, done = 0;
+    ddp_flight_entry last, fr[DDP_FLIGHT_LEN];
+    if (c->scenario == SC_INLINE_DESTROY) {
+        /* rank 1 arrives late; rank 0's hook destroys its communicator: the run
+         * ends aborted, the destroy completes when it returns */
+        ddp_coll_args a = {.kind = DDP_COLL_BARRIER, .dtype = DDP_UINT8};
+        if (c->rank == 0) {
+            hook_ctx h = {0, 0, comm};
+            ddp_comm_retain(comm);
+            T_STATUS(run_inline(comm, &a, &h, &taken), DDP_ERR_ABORTED);
+            T_ASSERT(taken && h.calls >= 1);
+            T_ASSERT(strcmp(ddp_comm_transport(comm, 1), "closed") == 0);
+            ddp_comm_release(comm);
+            c->comm = NULL;
+        } else {
+            usleep(600 * 1000);
+            T_ASSERT(run_one(comm, &a, 10000) != DDP_OK);
+        }
+        return;
+    }
+    ddp_comm_progress(comm, &sub0, &done0, &last);
+    /* taken, correct, counted and recorded like a queued one */
+    for (int k = 0; k < 3; k++) {
+        for (int i = 0; i < 8; i++) x[i] = (float)(c->rank * 10 + i + k);
+        ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                           .count = 8, .buf = x};
+        T_OK(run_inline(comm, &a, NULL, &taken));
+        T_ASSERT(taken);
+        for (int i = 0; i < 8; i++) T_ASSERT(x[i] == (float)(10 * n * (n - 1) / 2 + n * (i + k)));
+        int32_t y[3] = {c->rank, c->rank, c->rank};
+        ddp_coll_args b = {.kind = DDP_COLL_BROADCAST, .dtype = DDP_INT32, .root = k % n,
+                           .count = 3, .buf = y};
+        T_OK(run_inline(comm, &b, NULL, &taken));
+        T_ASSERT(taken && y[0] == k % n && y[2] == k % n);
+    }
+    ddp_comm_progress(comm, &sub, &done, &last);
+    T_ASSERT(sub == sub0 + 6 && done == done0 + 6 && last.kind == DDP_COLL_BROADCAST);
+    size_t nf = ddp_comm_flight(comm, fr, DDP_FLIGHT_LEN);
+    T_ASSERT(fr[nf - 1].status == DDP_OK && fr[nf - 1].ended_us >= fr[nf - 1].started_us);
+    /* declined: too big, or a kind the inline path does not take; nothing recorded */
+    float *big = calloc(65536 / 4 + 1, sizeof *big);   /* per rank (ranks are threads) */
+    T_ASSERT(big != NULL);
+    ddp_coll_args large = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                           .count = 65536 / 4 + 1, .buf = big};
+    ddp_coll_args gath = {.kind = DDP_COLL_ALLGATHER, .dtype = DDP_FLOAT32, .count = 1,
+                          .sendbuf = x, .recvbuf = x};
+    T_OK(run_inline(comm, &large, NULL, &taken));
+    T_ASSERT(!taken);
+    T_OK(run_inline(comm, &gath, NULL, &taken));
+    T_ASSERT(!taken);
+    ddp_comm_progress(comm, &sub, &done, &last);
+    T_ASSERT(sub == sub0 + 6);
+    /* bad arguments: the error at once, the group still usable */
+    ddp_coll_args bad = {.kind = DDP_COLL_BROADCAST, .dtype = DDP_FLOAT32, .root = n,
+                         .count = 2, .buf = x};
+    T_STATUS(run_inline(comm, &bad, NULL, &taken), DDP_ERR_INVALID);
+    T_ASSERT(taken && strstr(ddp_last_error(), "root") != NULL);
+    /* behind queued work: declined while it is queued or running, and in any
+     * case done after it */
+    for (int i = 0; i < 16385; i++) big[i] = 1.0f;
+    ddp_work *w = NULL;
+    T_OK(ddp_comm_submit(comm, &large, -1, &w));
+    for (int i = 0; i < 8; i++) x[i] = 1.0f;
+    ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
+                       .count = 8, .buf = x};
+    ddp_status st = run_inline(comm, &a, NULL, &taken);
+    if (!taken) st = run_one(comm, &a, -1);
+    T_OK(st);
+    T_ASSERT(ddp_work_done(w));
+    T_OK(ddp_work_wait(w, ddp_wait_for(0, NULL)));
+    ddp_work_release(w);
+    T_ASSERT(big[16384] == (float)n && x[7] == (float)n);
+    free(big);
+    /* a late peer: the inline run parks, asks the hook, and succeeds */
+    if (c->rank == n - 1) usleep(600 * 1000);
+    hook_ctx h = {0, 0, NULL};
+    int64_t t0 = ddp_now_ms();
+    T_OK(run_inline(comm, &a, &h, &taken));
+    T_ASSERT(taken && x[0] == (float)(n * n));
+    if (c->rank == 0) T_ASSERT(h.calls >= 2 && ddp_now_ms() - t0 >= 400);
+    /* the hook aborts: rank 0's run fails within moments and the group breaks;
+     * the peers, calling something else a second later, fail fast too (closed
+     * links, or a mismatch against what rank 0 had sent) */
+    if (c->rank == 0) {
+        hook_ctx ha = {0, 2, NULL};
+        t0 = ddp_now_ms();
+        T_STATUS(run_inline(comm, &a, &ha, &taken), DDP_ERR_ABORTED);
+        T_ASSERT(ha.calls == 2 && ddp_now_ms() - t0 < 2000);
+        T_STATUS(run_inline(comm, &a, NULL, &taken), DDP_ERR_ABORTED);
+        T_ASSERT(taken && strstr(ddp_last_error(), "broken") != NULL);
+    } else {
+        ddp_coll_args bar = {.kind = DDP_COLL_BARRIER, .dtype = DDP_UINT8};
+        usleep(1000 * 1000);
+        t0 = ddp_now_ms();
+        T_ASSERT(run_one(comm, &bar, 15000) != DDP_OK);
+        T_ASSERT(ddp_now_ms() - t0 < 5000);
+    }
+}
+
 static void *rank_main(void *p) {
     rank_ctx *c = p;
     ddp_store *store = NULL;
@@ -66,7 +192,9 @@ static void *rank_main(void *p) {
     ddp_comm *comm = c->comm;
     T_ASSERT(ddp_comm_rank(comm) == c->rank && ddp_comm_size(comm) == c->size);
     float x[1000];
-    if (c->scenario == SC_SUM || c->scenario == SC_INVALID) {
+    if (c->scenario == SC_INLINE || c->scenario == SC_INLINE_DESTROY) {
+        inline_scenario(c);
+    } else if (c->scenario == SC_SUM || c->scenario == SC_INVALID) {
         if (c->scenario == SC_INVALID) {
             ddp_coll_args bad = {.kind = DDP_COLL_BROADCAST, .dtype = DDP_FLOAT32,
                                  .root = c->size, .count = 4, .buf = x};
@@ -345,6 +473,15 @@ int main(void) {
     snprintf(prefix, sizeof prefix, "/test/%d", gen++);
     run_world(2, SC_INVALID, port, prefix, ctx);
     printf("comm: invalid arguments rejected, group still usable\n");
+
+    for (int n = 2; n <= 3; n++) {
+        snprintf(prefix, sizeof prefix, "/test/%d", gen++);
+        run_world(n, SC_INLINE, port, prefix, ctx);
+    }
+    snprintf(prefix, sizeof prefix, "/test/%d", gen++);
+    run_world(2, SC_INLINE_DESTROY, port, prefix, ctx);
+    printf("comm: inline runs (results, declines, order, a late peer, the check hook, "
+           "destroy from the hook)\n");
 
     ddp_store_server_stop(srv);
     printf("comm: all ok\n");

@@ -2,19 +2,25 @@
 
 Blocking all_reduce/broadcast/reduce/barrier of a contiguous NumPy array or CPU torch
 tensor skip Staged/Work and go through ProcessGroup.run (torch tensors by data_ptr);
-the caller and the worker thread spin briefly before parking. Scenarios:
+small ones run inline on the calling thread when nothing is queued, the rest are queued
+(the caller and the worker thread spin briefly before parking). Scenarios:
 
-  correct   every dtype the lean path takes, NumPy and torch, against NumPy; the
-            fallbacks (non-contiguous, Parameter, requires_grad, empty; big-endian refused)
-            give the same answers; a lean call behind queued async work runs after it
-  late      a peer arrives 0.5 s late (the spin gives up, the parked wait finishes)
+  correct   every dtype the lean path takes, NumPy and torch, against NumPy; every size
+            from 8 B to just over PYDDP_SMALL_BYTES (inline, then queued) for all_reduce,
+            broadcast, reduce and barrier; the fallbacks (non-contiguous, Parameter,
+            requires_grad, empty; big-endian refused) give the same answers; lean calls
+            interleaved with queued async work run in call order
+  late      a peer arrives 1.2 s late (the inline spin gives up, the parked wait finishes)
   dies      the last rank exits while the others run small all-reduces back to back
+  killed    the last rank SIGKILLs itself while the others wait inline for it
+  mismatch  ranks call all_reduce of torch tensors with different counts
   sigint    rank 0 loops on small all-reduces; the peer stops calling; the test sends
             SIGINT while rank 0 waits
 Prints "RESULT ..." lines (tests/test_errors.py's format).
 """
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -102,6 +108,7 @@ def sc_correct(rank, ws):
     empty = torch.empty(0)
     dist.all_reduce(empty)
     dist.all_reduce(np.empty(0, np.float32))
+    n_checks += check_sizes(rank, ws)
     # order with queued async work: a big async all-reduce, then a lean one; the lean
     # call returns after the async one finished (one queue, submission order)
     big = np.full(1 << 18, float(rank + 1))
@@ -111,6 +118,24 @@ def sc_correct(rank, ws):
     check(w.is_completed(), "async work queued first is done when the lean call returns")
     w.wait()
     check(np.all(big == ws * (ws + 1) / 2) and np.all(small == ws * (ws - 1) / 2), "order")
+    # small async work and blocking (inline) calls interleaved: every rank runs them in
+    # call order (a reordering would be a sequence-number mismatch), with right results
+    for k in range(60):
+        a1 = torch.full((4,), float(rank + k))
+        w1 = dist.all_reduce(a1, async_op=True)
+        b1 = np.full(2, float(rank * k), np.float32)
+        if k % 3:
+            dist.broadcast(b1, src=k % ws)
+        else:
+            dist.all_reduce(b1)
+        check(w1.is_completed(), f"async before blocking, step {k}")
+        w2 = dist.broadcast(np.full(3, float(rank)), src=ws - 1, async_op=True)
+        dist.barrier()
+        check(w2.is_completed(), f"async before barrier, step {k}")
+        w1.wait()
+        check(bool(torch.all(a1 == sum(r + k for r in range(ws)))), f"interleaved {k} {a1}")
+        want = (ws - 1) * ws // 2 * k if k % 3 == 0 else (k % ws) * k
+        check(np.all(b1 == want), f"interleaved blocking {k} {b1}")
     for _ in range(200):
         dist.barrier()
     x = np.ones(2, np.float32)
@@ -133,11 +158,36 @@ def sc_correct(rank, ws):
     dist.destroy_process_group()
 
 
+def check_sizes(rank, ws):
+    """all_reduce, broadcast, reduce and barrier of 8 B to 64 KiB (and one element more,
+    which is queued rather than inline), float32 NumPy and torch, against NumPy."""
+    n_checks = 0
+    for nbytes in (8, 64, 512, 4096, 32768, 65536, 65540):
+        n = nbytes // 4
+        ref = sum(val(r, n, "float32").astype(np.float64) for r in range(ws))
+        for mk in (lambda a: a, torch.from_numpy):
+            x = mk(val(rank, n, "float32"))
+            dist.all_reduce(x)
+            check(np.array_equal(np.asarray(x, np.float64), ref), f"sizes sum {nbytes}")
+            root = (nbytes // 8) % ws
+            x = mk(val(rank, n, "float32", salt=3))
+            dist.broadcast(x, src=root)
+            check(np.array_equal(np.asarray(x), val(root, n, "float32", salt=3)),
+                  f"sizes bcast {nbytes}")
+            x = mk(val(rank, n, "float32"))
+            dist.reduce(x, dst=root)
+            want = ref if rank == root else val(rank, n, "float32").astype(np.float64)
+            check(np.array_equal(np.asarray(x, np.float64), want), f"sizes reduce {nbytes}")
+            dist.barrier()
+            n_checks += 3
+    return n_checks
+
+
 def sc_late(rank, ws):
     dist.init_process_group("cpu")
-    for i in range(3):
+    for i in range(2):
         if rank == ws - 1:
-            time.sleep(0.5)
+            time.sleep(1.2)
         t0 = time.monotonic()
         x = torch.full((4,), float(rank + i))
         dist.all_reduce(x)
@@ -151,18 +201,34 @@ def sc_late(rank, ws):
     dist.destroy_process_group()
 
 
-def sc_dies(rank, ws):
+def sc_dies(rank, ws, kill=False):
+    """The last rank exits while the others call back to back, or (kill) SIGKILLs
+    itself a second after they started waiting for it (inline)."""
     dist.init_process_group("cpu")
     x = np.ones(4, np.float32)
     for _ in range(500):
         dist.all_reduce(x)
         x[:] = 1
     if rank == ws - 1:
+        if kill:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
         os._exit(3)
     cls, msg, dt = expect_error(lambda: [dist.all_reduce(x) for _ in range(1_000_000)])
     report(rank=rank, cls=classes(cls) if cls else None, msg=msg, seconds=round(dt, 2))
     cls2, msg2, dt2 = expect_error(lambda: dist.all_reduce(torch.ones(3)))
     report(rank=rank, after=classes(cls2) if cls2 else None, seconds_after=round(dt2, 2))
+
+
+def sc_killed(rank, ws):
+    sc_dies(rank, ws, kill=True)
+
+
+def sc_mismatch(rank, ws):
+    dist.init_process_group("cpu")
+    x = torch.ones(4 + rank)               # a different count on every rank
+    cls, msg, dt = expect_error(lambda: dist.all_reduce(x))
+    report(rank=rank, cls=classes(cls) if cls else None, msg=msg, seconds=round(dt, 2))
 
 
 def sc_sigint(rank, ws):
@@ -188,7 +254,8 @@ def sc_sigint(rank, ws):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["correct", "late", "dies", "sigint"])
+    ap.add_argument("scenario", choices=["correct", "late", "dies", "killed", "mismatch",
+                                         "sigint"])
     a = ap.parse_args()
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
