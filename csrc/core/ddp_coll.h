@@ -90,6 +90,7 @@ typedef struct ddp_group {
     size_t small_bytes;     /* messages up to this size take the latency path */
     size_t chunk_bytes;     /* pipeline chunk for the bandwidth path */
     int algo;               /* DDP_ALGO_*: PYDDP_ALGO */
+    size_t hier_min_bytes;  /* auto: hierarchical from this size up (PYDDP_HIER_MIN_BYTES) */
     int *host;              /* [size] host of each rank (0.. in order of first rank), or NULL */
     int nhosts;             /* distinct hosts among the ranks (1 when host is NULL) */
     struct ddp_hier *hier;  /* views for the hierarchical algorithms, built on first use */
@@ -102,7 +103,8 @@ typedef struct ddp_group {
 
 /* Set g's layout from each rank's host identity (ids[r] for rank r; ranks
  * with equal strings share a host) and its algorithm choice from
- * PYDDP_ALGO (an unknown value warns once and means auto). Ranks are
+ * PYDDP_ALGO (an unknown value warns once and means auto) and
+ * PYDDP_HIER_MIN_BYTES. Ranks are
  * numbered by host in order of each host's first rank, so every rank
  * computes the same numbering. DDP_ERR_NOMEM on failure (g unchanged). */
 ddp_status ddp_group_set_layout(ddp_group *g, const char *const *ids);

@@ -42,8 +42,13 @@ int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
     const ddp_hier *h = g->hier;
     if (h == NULL || g->algo == DDP_ALGO_FLAT) return 0;
     if (ddp_coll_wire_wide(a->dtype, a->op)) return 0;
-    /* auto: only when some host has several ranks (else it is the ring) */
-    if (g->algo == DDP_ALGO_AUTO && g->nhosts == g->size) return 0;
+    if (g->algo == DDP_ALGO_AUTO) {
+        /* auto: only when some host has several ranks (else it is the ring), and
+         * for large messages (three stages cost more latency than the ring's) */
+        size_t bytes = a->count * ddp_dtype_size(a->dtype);
+        if (a->kind != DDP_COLL_ALLREDUCE) bytes *= (size_t)g->size;
+        if (g->nhosts == g->size || bytes < g->hier_min_bytes) return 0;
+    }
     switch (a->kind) {
     case DDP_COLL_ALLREDUCE: return 1;
     case DDP_COLL_REDUCE_SCATTER: case DDP_COLL_ALLGATHER: return h->uniform;

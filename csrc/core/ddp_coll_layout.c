@@ -120,6 +120,7 @@ ddp_status ddp_group_set_layout(ddp_group *g, const char *const *ids) {
     }
     ddp_group_free_layout(g);
     g->algo = algo_setting();
+    g->hier_min_bytes = (size_t)ddp_setting_int("PYDDP_HIER_MIN_BYTES");
     g->host = host;
     g->nhosts = nh;
     if (nh < 2) return DDP_OK;

@@ -72,6 +72,9 @@ static const ddp_setting_decl table[] = {
      "bandwidth-path algorithm across hosts: `auto` (hierarchical when the group spans "
      "several hosts and some host has several of its ranks, else the flat ring), `flat` or "
      "`hier` (forced, where the layout allows it; for tests and benchmarks)"},
+    {"PYDDP_HIER_MIN_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 0, NOMAX, CORE,
+     "with `PYDDP_ALGO=auto`, messages from this size up take the hierarchical algorithms "
+     "(smaller ones the flat ring, whose fewer stages cost less latency)"},
     {"PYDDP_SOCKET_BUFFER_BYTES", DDP_SETTING_BYTES, NULL, 0, 0, GIB, CORE,
      "fixed `SO_SNDBUF`/`SO_RCVBUF` for data connections; unset leaves the kernel's buffer "
      "autotuning on (usually best)"},

@@ -142,7 +142,9 @@ static void set_hosts(hworld *w, const layout *lay, const int *algo) {
     for (int r = 0; r < lay->n; r++) ids[r] = names[lay->host[r]];
     for (int r = 0; r < lay->n; r++) {
         T_OK(ddp_group_set_layout(&w->g[r], ids));
+        T_ASSERT(w->g[r].hier_min_bytes == 1u << 20); /* PYDDP_HIER_MIN_BYTES's default */
         w->g[r].algo = algo[r];
+        w->g[r].hier_min_bytes = 0; /* the small cases too (see test_threshold) */
     }
 }
 
@@ -240,7 +242,37 @@ static void test_mismatch(void) {
     printf("algorithm mismatch: ok\n");
 }
 
+/* Under auto, messages below PYDDP_HIER_MIN_BYTES keep the flat ring; a
+ * forced choice ignores the threshold. */
+static void test_threshold(void) {
+    hworld w;
+    hworld_init(&w, 4, 0, 1u << 16);
+    int algos[4] = {DDP_ALGO_AUTO, DDP_ALGO_AUTO, DDP_ALGO_AUTO, DDP_ALGO_AUTO};
+    set_hosts(&w, &layouts[0], algos);
+    ddp_group *g = &w.g[0];
+    g->hier_min_bytes = 1u << 20;
+    float one;
+    ddp_coll_args small = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .count = 1000,
+                           .buf = &one};
+    ddp_coll_args big = small;
+    big.count = 1u << 18; /* exactly 1 MiB */
+    ddp_coll_args rs = small;
+    rs.kind = DDP_COLL_REDUCE_SCATTER; /* 4 ranks x 64K floats: the whole input counts */
+    rs.count = 1u << 16;
+    T_ASSERT(!ddp_coll_hier_applies(g, &small));
+    T_ASSERT(ddp_coll_hier_applies(g, &big));
+    T_ASSERT(ddp_coll_hier_applies(g, &rs));
+    g->algo = DDP_ALGO_HIER;
+    T_ASSERT(ddp_coll_hier_applies(g, &small));
+    g->algo = DDP_ALGO_FLAT;
+    T_ASSERT(!ddp_coll_hier_applies(g, &big));
+    for (int r = 0; r < 4; r++) ddp_group_free_layout(&w.g[r]);
+    hworld_free(&w);
+    printf("size threshold: ok\n");
+}
+
 int main(void) {
+    test_threshold();
     test_layouts();
     test_pipeline();
     test_dying_link();
