@@ -1,5 +1,5 @@
-/* ddp_coll_hier.c - hierarchical all-reduce, reduce-scatter and all-gather
- * for groups that span several hosts with several ranks on some of them.
+/* ddp_coll_hier.c - hierarchical all-reduce, reduce-scatter, all-gather
+ * and broadcast for groups that span several hosts with several ranks on some of them.
  *
  * Between hosts the network, not memory, is the limit. A flat ring over
  * h hosts of L ranks each crosses every host boundary with 2(n-1)/n of the
@@ -20,6 +20,8 @@
  *                   reduce-scatter.
  *   all_gather      rail all-gather into the regrouped layout, local
  *                   all-gather, then each block copied to its rank's place.
+ *   broadcast       one pipelined chain in host order from the root, so the
+ *                   buffer enters each host once (any rank numbering).
  *
  * With unequal hosts (2 ranks on one, 1 on another) all_reduce runs on the
  * hosts' first ranks instead: local reduce-scatter and all-gather, ring
@@ -41,7 +43,8 @@
 int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
     const ddp_hier *h = g->hier;
     if (h == NULL || g->algo == DDP_ALGO_FLAT) return 0;
-    if (ddp_coll_wire_wide(a->dtype, a->op)) return 0;
+    const int reduces = a->kind == DDP_COLL_ALLREDUCE || a->kind == DDP_COLL_REDUCE_SCATTER;
+    if (reduces && ddp_coll_wire_wide(a->dtype, a->op)) return 0;
     if (g->algo == DDP_ALGO_AUTO) {
         /* auto: only when some host has several ranks (else it is the ring), and
          * for large messages (three stages cost more latency than the ring's) */
@@ -50,10 +53,32 @@ int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
         if (g->nhosts == g->size || bytes < g->hier_min_bytes) return 0;
     }
     switch (a->kind) {
-    case DDP_COLL_ALLREDUCE: return 1;
+    case DDP_COLL_ALLREDUCE: case DDP_COLL_BROADCAST: return 1;
     case DDP_COLL_REDUCE_SCATTER: case DDP_COLL_ALLGATHER: return h->uniform;
     default: return 0;
     }
+}
+
+/* Broadcast along one pipelined chain that visits the hosts one after the
+ * other, the root's first (root, then its host's other ranks, then each next
+ * host's ranks): the buffer crosses into each host once, the minimum, however
+ * the ranks are numbered (a chain in rank order crosses at every change of
+ * host). */
+static ddp_status hier_broadcast(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
+    ddp_hier *h = g->hier;
+    const int n = g->size, rh = g->host[a->root];
+    int pos = 0;
+    h->order[pos++] = a->root;
+    for (int k = 0; k < g->nhosts; k++)
+        for (int r = 0; r < n; r++)
+            if (g->host[r] == (rh + k) % g->nhosts && r != a->root) h->order[pos++] = r;
+    for (int p = 0; p < n; p++) {
+        h->chain.links[p] = g->links[h->order[p]];
+        if (h->order[p] == g->rank) h->chain.rank = p;
+    }
+    ddp_coll_args b = *a;
+    b.root = 0;
+    return ddp_coll_chain_broadcast(&h->chain, &b, w);
 }
 
 /* Unequal hosts: each host's sum on every local rank, the hosts' first
@@ -133,6 +158,7 @@ ddp_status ddp_coll_hier_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
         return g->hier->uniform ? ddp_coll_hier_pipeline(g, a, w) : allreduce_leaders(g, a, w);
     case DDP_COLL_REDUCE_SCATTER: return hier_reduce_scatter(g, a, w);
     case DDP_COLL_ALLGATHER: return hier_all_gather(g, a, w);
+    case DDP_COLL_BROADCAST: return hier_broadcast(g, a, w);
     default: break;
     }
     return ddp_error(DDP_ERR_INTERNAL, "no hierarchical algorithm for %s", ddp_coll_name(a->kind));

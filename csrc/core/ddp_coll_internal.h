@@ -161,7 +161,9 @@ typedef struct ddp_hier {
                        * k*per_host + j; NULL otherwise */
     ddp_group local;  /* view over this host's ranks (rank lrank) */
     ddp_group rail;   /* view over the rail (rank myhost); used only by rail members */
-    ddp_link **links; /* the two views' link arrays */
+    ddp_group chain;  /* view over every rank in host order, for broadcast (per call) */
+    int *order;       /* [size] the chain's ranks (built per call, from the root) */
+    ddp_link **links; /* the views' link arrays */
 } ddp_hier;
 
 /* Point the views' links at g's current links (before each use). */

@@ -35,6 +35,8 @@ void ddp_group_free_layout(ddp_group *g) {
     if (h) {
         ddp_group_release_scratch(&h->local);
         ddp_group_release_scratch(&h->rail);
+        ddp_group_release_scratch(&h->chain);
+        free(h->order);
         free(h->local_ranks);
         free(h->rail_ranks);
         free(h->rank_at);
@@ -60,9 +62,11 @@ static ddp_status build_views(ddp_group *g) {
     for (int k = 0; k < nh; k++) h->uniform &= count[k] == count[0];
     h->local_ranks = calloc((size_t)h->per_host, sizeof *h->local_ranks);
     h->rail_ranks = calloc((size_t)nh, sizeof *h->rail_ranks);
-    h->links = calloc((size_t)(h->per_host + nh), sizeof *h->links);
+    h->links = calloc((size_t)(h->per_host + nh + n), sizeof *h->links);
+    h->order = calloc((size_t)n, sizeof *h->order);
     if (h->uniform) h->rank_at = calloc((size_t)n, sizeof *h->rank_at);
-    if (!h->local_ranks || !h->rail_ranks || !h->links || (h->uniform && !h->rank_at))
+    if (!h->local_ranks || !h->rail_ranks || !h->links || !h->order ||
+        (h->uniform && !h->rank_at))
         goto nomem;
     /* local index of every rank = how many earlier ranks share its host */
     memset(count, 0, (size_t)nh * sizeof *count);
@@ -79,8 +83,8 @@ static ddp_status build_views(ddp_group *g) {
     for (int r = 0; r < n; r++)
         if (count[g->host[r]]++ == want) h->rail_ranks[g->host[r]] = r;
     free(count);
-    ddp_group *views[2] = {&h->local, &h->rail};
-    for (int v = 0; v < 2; v++) {
+    ddp_group *views[3] = {&h->local, &h->rail, &h->chain};
+    for (int v = 0; v < 3; v++) {
         views[v]->tag = g->tag;
         views[v]->small_bytes = g->small_bytes;
         views[v]->chunk_bytes = g->chunk_bytes;
@@ -93,6 +97,8 @@ static ddp_status build_views(ddp_group *g) {
     h->rail.rank = h->myhost;
     h->rail.size = nh;
     h->rail.links = h->links + h->per_host;
+    h->chain.size = n;
+    h->chain.links = h->links + h->per_host + nh;
     g->hier = h;
     return DDP_OK;
 nomem:
@@ -101,6 +107,7 @@ nomem:
         free(h->local_ranks);
         free(h->rail_ranks);
         free(h->rank_at);
+        free(h->order);
         free(h->links);
         free(h);
     }

@@ -64,6 +64,8 @@ static const hcase cases[] = {
     {DDP_COLL_REDUCE_SCATTER, DDP_FLOAT16, DDP_AVG, 333},
     {DDP_COLL_ALLGATHER, DDP_INT8, DDP_SUM, 4097},
     {DDP_COLL_ALLGATHER, DDP_FLOAT64, DDP_SUM, 1},
+    {DDP_COLL_BROADCAST, DDP_INT32, DDP_SUM, 30011},
+    {DDP_COLL_BROADCAST, DDP_BFLOAT16, DDP_SUM, 2},
 };
 
 /* Large enough for the pipelined all-reduce (ddp_coll_hier_pipe.c) to cut
@@ -86,7 +88,7 @@ static int expect_hier(const hctx *x, const hcase *c) {
     int nh = 0;
     for (int r = 0; r < x->lay->n; r++) nh = x->lay->host[r] + 1 > nh ? x->lay->host[r] + 1 : nh;
     if (x->algo == DDP_ALGO_AUTO && nh == x->lay->n) return 0;
-    return c->kind == DDP_COLL_ALLREDUCE || x->lay->uniform;
+    return c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_BROADCAST || x->lay->uniform;
 }
 
 static void check_value(const hcase *c, double got, double want, int n) {
@@ -109,17 +111,19 @@ static void hier_rank(hworld *w, int r, void *arg) {
         char *in = malloc(total * es), *out = malloc(total * es);
         T_ASSERT(in && out);
         ddp_coll_args a = {.kind = c->kind, .dtype = c->t, .op = c->op, .count = c->count,
-                           .buf = in, .sendbuf = in, .recvbuf = out};
-        size_t nin = c->kind == DDP_COLL_ALLGATHER ? c->count : c->kind == DDP_COLL_ALLREDUCE
-                                                                  ? c->count : total;
+                           .buf = in, .sendbuf = in, .recvbuf = out, .root = n - 1};
+        const int inplace = c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_BROADCAST;
+        size_t nin = c->kind == DDP_COLL_ALLGATHER || inplace ? c->count : total;
         for (size_t j = 0; j < nin; j++) put(c->t, in, j, input(r, j));
         T_ASSERT(ddp_coll_hier_applies(&w->g[r], &a) == expect_hier(x, c));
         T_OK(hcoll(w, r, &a));
-        const char *res = c->kind == DDP_COLL_ALLREDUCE ? in : out;
+        const char *res = inplace ? in : out;
         size_t nres = c->kind == DDP_COLL_ALLGATHER ? total : c->count;
         for (size_t j = 0; j < nres; j++) {
             if (c->kind == DDP_COLL_ALLGATHER) {
                 T_ASSERT(get(c->t, res, j) == input((int)(j / c->count), j % c->count));
+            } else if (c->kind == DDP_COLL_BROADCAST) {
+                T_ASSERT(get(c->t, res, j) == input(n - 1, j));
             } else {
                 size_t jj = c->kind == DDP_COLL_REDUCE_SCATTER ? (size_t)r * c->count + j : j;
                 check_value(c, get(c->t, res, j), ref(c->op, n, jj), n);
