@@ -32,20 +32,18 @@ int ddp_cast_narrows(ddp_dtype t, ddp_dtype reduce) {
  * Beyond FLT_MAX it gives FLT_MAX (odd), which the narrower types round to
  * Inf as they should; NaN stays NaN. */
 static inline float f32_round_odd(double d) {
-    float f = (float)d;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    double back = (double)f;
-    uint32_t inexact = back != d;                  /* also 1 for NaN: stays NaN */
-    uint32_t away = fabs(back) > fabs(d);          /* rounded up in magnitude */
-    u = (u - (inexact & away)) | inexact;          /* one step toward zero, then odd */
-    memcpy(&f, &u, sizeof f);
-    return f;
+    union { float f; uint32_t u; } v = {.f = (float)d};
+    const double back = (double)v.f;
+    const uint32_t inexact = back != d;            /* also 1 for NaN: stays NaN */
+    const uint32_t away = fabs(back) > fabs(d);    /* rounded up in magnitude */
+    v.u = (v.u - (inexact & away)) | inexact;      /* one step toward zero, then odd */
+    return v.f;
 }
 
 void ddp_cast_narrow(ddp_dtype to, void *dst, ddp_dtype from, const void *src, size_t n,
                      int divisor) {
     float stage[BLOCK];
+    double quot[BLOCK];
     const double dv = divisor > 1 ? (double)divisor : 1.0;
     char *out = dst;
     const size_t osz = ddp_dtype_size(to);
@@ -57,8 +55,10 @@ void ddp_cast_narrow(ddp_dtype to, void *dst, ddp_dtype from, const void *src, s
         } else if (dv == 1.0) {                    /* float32 / 1: already exact */
             memcpy(stage, (const float *)src + at, k * sizeof(float));
         } else {
+            /* the quotients first (a loop the compiler vectorises), then round-odd */
             const float *s = (const float *)src + at;
-            for (size_t i = 0; i < k; i++) stage[i] = f32_round_odd((double)s[i] / dv);
+            for (size_t i = 0; i < k; i++) quot[i] = (double)s[i] / dv;
+            for (size_t i = 0; i < k; i++) stage[i] = f32_round_odd(quot[i]);
         }
         ddp_convert_from_f32(to, out + at * osz, stage, k);
     }
