@@ -18,9 +18,13 @@ The generic path is forced on CPU by ``PYDDP_DDP_GENERIC_PATH=1`` (or the constr
 private ``_generic_path=True``), which is how the tests keep it honest.
 
 With a reduce dtype ("float16"/"bfloat16"), float32/float64 parameters get buckets of
-that dtype ("converted" parameters): the copy into the slot divides by the world size
-and rounds once (C: ddp_dtype_cast.c; generic: ``A.divide_into``), those buckets are
-all-reduced with SUM, and the copy back widens the average. Their ``.grad`` is never a
+that dtype ("converted" parameters): the copy into the slot rounds once to it (C:
+ddp_dtype_cast.c; generic: ``A.divide_into``), and the copy back widens the average.
+float16 slots are divided by the world size on the way in and all-reduced with SUM, so
+the sum cannot overflow where the gradients do not (as torch's fp16_compress_hook);
+bfloat16 has float32's range, so its slots hold the gradients themselves and are
+all-reduced with AVG (the narrowing is then a plain rounding, several times cheaper than
+a correctly rounded division). Their ``.grad`` is never a
 bucket view (gradient_as_bucket_view applies to the other parameters only).
 
 ``GradSync`` holds DDP's per-iteration semantics on top of an engine: which gradients
@@ -104,6 +108,7 @@ class BucketEngine:
         self.layout = layout
         self.buckets = []
         self.bucket_converted = []   # bucket b narrows its gradients to the reduce dtype
+        self.bucket_prediv = []      # ... and holds them divided by the world size (float16)
         for members, numel, dt, _dev in layout:
             like = A.for_core(params[members[0]])
             converted = dt != dtype_name(like)
@@ -111,7 +116,9 @@ class BucketEngine:
             b[...] = 0
             self.buckets.append(b)
             self.bucket_converted.append(converted)
+            self.bucket_prediv.append(converted and dt == "float16")
         self.converted = [self.bucket_converted[pbucket[i]] for i in range(len(params))]
+        self._pbucket = pbucket
         self.views = [self.buckets[pbucket[i]][poffset[i]:poffset[i] + A.numel(p)]
                       .reshape(tuple(p.shape)) for i, p in enumerate(params)]
         self._copy_back = {}    # index -> gradient the average is copied into by Python
@@ -223,8 +230,10 @@ class GenericPath(BucketEngine):
         if grad is None:
             view[...] = 0
         elif self.converted[i] and not stays:
-            # narrowed slots hold gradient / world size: the SUM below is the mean
-            A.divide_into(view, grad, self._world)
+            # float16 slots hold gradient / world size (the SUM below is the mean);
+            # bfloat16 ones the gradient itself, averaged by AVG
+            pre = self.bucket_prediv[self._pbucket[i]]
+            A.divide_into(view, grad, self._world if pre else 1)
         elif grad is not view and not stays:
             A.copy_into(view, grad)
         if copy_back and grad is not None and not stays:
@@ -233,7 +242,7 @@ class GenericPath(BucketEngine):
         if self._world > 1:
             for b in range(first, first + count):
                 x = A.for_core(self.buckets[b])
-                op = _C.OP_SUM if self.bucket_converted[b] else _C.OP_AVG
+                op = _C.OP_SUM if self.bucket_prediv[b] else _C.OP_AVG
                 self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, x, None, op, 0,
                                                    self._timeout_ms, caller_stream(x)))
 

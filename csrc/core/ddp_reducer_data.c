@@ -7,11 +7,14 @@
  *
  * Averaging is DDP_AVG: the collective sums across ranks and divides once at
  * the end, exactly as torch's DDP documents (sum, then divide by world size).
- * Narrowed buckets (a reduce dtype) instead hold each gradient already divided
- * by the world size, rounded once to the bucket's dtype as it is copied in,
- * and are all-reduced with SUM; the copy back widens the average. So the
- * conversion costs no pass of its own, and a float16 sum is never larger
- * than the largest gradient (torch's fp16_compress_hook divides first too).
+ * Narrowed buckets (a reduce dtype) are rounded once to the bucket's dtype as
+ * the gradients are copied in, and the copy back widens the average, so the
+ * conversion costs no pass of its own. float16 buckets hold each gradient
+ * already divided by the world size and are all-reduced with SUM, so a
+ * float16 sum is never larger than the largest gradient (torch's
+ * fp16_compress_hook divides first too); bfloat16 has float32's range, so
+ * its buckets hold the gradients themselves and use AVG, and the narrowing
+ * is a plain rounding rather than a correctly rounded division.
  */
 #include "ddp_reducer_int.h"
 
@@ -100,13 +103,18 @@ static int narrowed(const ddp_plan *p, size_t b) {
     return p->bucket_grad_dtype[b] != p->bucket_dtype[b];
 }
 
+/* 1 if bucket b holds its gradients divided by the world size (float16). */
+static int predivided(const ddp_plan *p, size_t b) {
+    return narrowed(p, b) && p->bucket_dtype[b] == DDP_FLOAT16;
+}
+
 /* Launch buckets [first, first + count). Stops at the first failure, which
  * is remembered for finish and returned. */
 static ddp_status launch_range(ddp_reducer *r, size_t first, size_t count) {
     if (r->world == 1) return DDP_OK;   /* the average over one rank is the input */
     for (size_t b = first; b < first + count; b++) {
-        /* narrowed slots hold gradient / world size already: their sum is the mean */
-        ddp_redop op = narrowed(&r->plan, b) ? DDP_SUM : DDP_AVG;
+        /* predivided slots hold gradient / world size already: their sum is the mean */
+        ddp_redop op = predivided(&r->plan, b) ? DDP_SUM : DDP_AVG;
         ddp_status st = r->ops->launch(r->ctx, r->bufs[b], r->plan.bucket_numel[b],
                                        r->plan.bucket_dtype[b], op, &r->works[b]);
         if (st != DDP_OK) {
@@ -145,7 +153,8 @@ ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dty
         if (grad == NULL)
             memset(slot, 0, p->param_numel[i] * esz);
         else if (narrowed(p, b))
-            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i], r->world);
+            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i],
+                            predivided(p, b) ? r->world : 1);
         else if (grad != slot)
             memcpy(slot, grad, p->param_numel[i] * esz);
     }

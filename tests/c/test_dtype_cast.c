@@ -144,8 +144,9 @@ static void test_plan_reduce_dtype(void) {
     ddp_plan_free(&p);
 }
 
-/* Two ranks in one thread: the second launch of a bucket sums both buffers in
- * float32 (as the CPU transport does) and rounds once to the bucket dtype. */
+/* Two ranks in one thread: the second launch of a bucket averages both
+ * buffers as the CPU transport does for bfloat16 (add in float32, round,
+ * divide by 2 in float32, round). */
 typedef struct pair_op { void *buf[2]; size_t count; ddp_dtype t; ddp_redop op; int n; } pair_op;
 typedef struct pair_world { pair_op ops[8]; int nlaunch[2]; } pair_world;
 typedef struct pair_rank { pair_world *w; int rank; } pair_rank;
@@ -159,11 +160,13 @@ static ddp_status pair_launch(void *ctx, void *buf, size_t count, ddp_dtype t, d
     o->t = t;
     o->op = op;
     if (++o->n == 2) {
-        T_ASSERT(t == DDP_BFLOAT16 && op == DDP_SUM);
+        /* bfloat16 buckets hold the gradients themselves and are averaged */
+        T_ASSERT(t == DDP_BFLOAT16 && op == DDP_AVG);
         for (size_t e = 0; e < count; e++) {
             float s = ddp_bf16_to_float(((uint16_t *)o->buf[0])[e]) +
                       ddp_bf16_to_float(((uint16_t *)o->buf[1])[e]);
-            ((uint16_t *)o->buf[0])[e] = ((uint16_t *)o->buf[1])[e] = ddp_float_to_bf16(s);
+            uint16_t avg = ddp_float_to_bf16(ddp_bf16_to_float(ddp_float_to_bf16(s)) / 2);
+            ((uint16_t *)o->buf[0])[e] = ((uint16_t *)o->buf[1])[e] = avg;
         }
     }
     *handle = o;
@@ -211,15 +214,15 @@ static void test_reducer_reduce_dtype(void) {
     for (int k = 0; k < 2; k++) T_OK(ddp_reducer_finish(r[k], 0, ddp_wait_for(0, NULL)));
     for (int k = 0; k < 2; k++) {
         for (int e = 0; e < NA; e++) {
-            float want = ddp_bf16_to_float(ddp_float_to_bf16(
-                ddp_bf16_to_float(ddp_float_to_bf16(ga[0][e] / 2)) +
-                ddp_bf16_to_float(ddp_float_to_bf16(ga[1][e] / 2))));
+            float want = ddp_bf16_to_float(ddp_float_to_bf16(ddp_bf16_to_float(ddp_float_to_bf16(
+                ddp_bf16_to_float(ddp_float_to_bf16(ga[0][e])) +
+                ddp_bf16_to_float(ddp_float_to_bf16(ga[1][e])))) / 2));
             T_ASSERT(outa[k][e] == want);
         }
         for (int e = 0; e < NB; e++) {
-            double want = (double)ddp_bf16_to_float(ddp_float_to_bf16(
-                ddp_bf16_to_float(ddp_float_to_bf16((float)(gb[0][e] / 2))) +
-                ddp_bf16_to_float(ddp_float_to_bf16((float)(gb[1][e] / 2)))));
+            double want = (double)ddp_bf16_to_float(ddp_float_to_bf16(ddp_bf16_to_float(
+                ddp_float_to_bf16(ddp_bf16_to_float(ddp_float_to_bf16((float)gb[0][e])) +
+                                  ddp_bf16_to_float(ddp_float_to_bf16((float)gb[1][e])))) / 2));
             T_ASSERT(outb[k][e] == want);
         }
         ddp_reducer_destroy(r[k]);
