@@ -30,19 +30,22 @@ static int algo_setting(void) {
     return DDP_ALGO_AUTO;
 }
 
+/* Free h and everything it owns (NULL, or partly built: a no-op for what is missing). */
+static void hier_free(ddp_hier *h) {
+    if (h == NULL) return;
+    ddp_group_release_scratch(&h->local);
+    ddp_group_release_scratch(&h->rail);
+    ddp_group_release_scratch(&h->chain);
+    free(h->order);
+    free(h->local_ranks);
+    free(h->rail_ranks);
+    free(h->rank_at);
+    free(h->links);
+    free(h);
+}
+
 void ddp_group_free_layout(ddp_group *g) {
-    ddp_hier *h = g->hier;
-    if (h) {
-        ddp_group_release_scratch(&h->local);
-        ddp_group_release_scratch(&h->rail);
-        ddp_group_release_scratch(&h->chain);
-        free(h->order);
-        free(h->local_ranks);
-        free(h->rail_ranks);
-        free(h->rank_at);
-        free(h->links);
-        free(h);
-    }
+    hier_free(g->hier);
     free(g->host);
     g->hier = NULL;
     g->host = NULL;
@@ -103,14 +106,7 @@ static ddp_status build_views(ddp_group *g) {
     return DDP_OK;
 nomem:
     free(count);
-    if (h) {
-        free(h->local_ranks);
-        free(h->rail_ranks);
-        free(h->rank_at);
-        free(h->order);
-        free(h->links);
-        free(h);
-    }
+    hier_free(h);
     return ddp_error(DDP_ERR_NOMEM, "out of memory describing the group's hosts");
 }
 
