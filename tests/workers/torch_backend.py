@@ -59,6 +59,13 @@ def run_all(rank, ws):
     return failed
 
 
+def say(line):
+    """Print one whole line with a single write: torchrun's ranks share one stdout, and
+    print() writes the text and its newline separately when unbuffered, so another
+    rank's line could land between them."""
+    os.write(1, (line + "\n").encode())
+
+
 def run_errors(rank, ws):
     """Three failures, one group each; the group is re-made after every one."""
     # 1. mismatch: different element counts
@@ -68,10 +75,9 @@ def run_errors(rank, ws):
         print(f"rank {rank}: mismatch not detected", flush=True)
     except dist.DistBackendError as e:
         import pyddp
-        print(f"ERRCASE mismatch rank={rank} type={type(e).__name__} "
-              f"pyddp_class={isinstance(e, pyddp.CollectiveMismatchError)} "
-              f"names_both={'rank 0 called' in str(e) and 'rank 1 called' in str(e)}",
-              flush=True)
+        say(f"ERRCASE mismatch rank={rank} type={type(e).__name__} "
+            f"pyddp_class={isinstance(e, pyddp.CollectiveMismatchError)} "
+            f"names_both={'rank 0 called' in str(e) and 'rank 1 called' in str(e)}")
     dist.destroy_process_group()
     # 2. the group's timeout (from init_process_group's options): rank 1 stays away
     dist.init_process_group("pyddp", timeout=datetime.timedelta(seconds=2))
@@ -82,9 +88,8 @@ def run_errors(rank, ws):
             dist.all_reduce(torch.ones(3))
             print("rank 0: no timeout", flush=True)
         except dist.DistError as e:
-            print(f"ERRCASE timeout rank=0 type={type(e).__name__} "
-                  f"timeouterror={isinstance(e, TimeoutError)} after={time.monotonic() - t0:.1f}",
-                  flush=True)
+            say(f"ERRCASE timeout rank=0 type={type(e).__name__} "
+                f"timeouterror={isinstance(e, TimeoutError)} after={time.monotonic() - t0:.1f}")
     else:
         time.sleep(4)
     dist.destroy_process_group()
@@ -101,8 +106,7 @@ def run_errors(rank, ws):
             time.sleep(0.05)
         print("rank 0: dead peer not noticed", flush=True)
     except dist.DistError as e:
-        print(f"ERRCASE dead rank=0 type={type(e).__name__} after={time.monotonic() - t0:.1f}",
-              flush=True)
+        say(f"ERRCASE dead rank=0 type={type(e).__name__} after={time.monotonic() - t0:.1f}")
     os._exit(0)
 
 
