@@ -36,8 +36,7 @@ static int is_blocked(ddp_coll_kind k) {
            k == DDP_COLL_SCATTER;
 }
 
-/* Bytes of the largest buffer a call touches: what decides its path. */
-static size_t call_bytes(const ddp_group *g, const ddp_coll_args *a) {
+size_t ddp_coll_call_bytes(const ddp_group *g, const ddp_coll_args *a) {
     size_t b = a->count * ddp_dtype_size(a->dtype);
     return is_blocked(a->kind) ? b * (size_t)g->size : b;
 }
@@ -185,7 +184,7 @@ ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     /* per-peer sizes: their own header exchange and error prefix */
     if (a->kind == DDP_COLL_ALLTOALL) return ddp_coll_a2a_run(g, a, w);
     if (a->kind == DDP_COLL_P2P_BATCH) return ddp_coll_batch_run(g, a, w);
-    const int small = a->kind == DDP_COLL_BARRIER || call_bytes(g, a) <= g->small_bytes;
+    const int small = a->kind == DDP_COLL_BARRIER || ddp_coll_call_bytes(g, a) <= g->small_bytes;
     const int path = small ? DDP_COLL_PATH_SMALL
                            : ddp_coll_hier_applies(g, a) ? DDP_COLL_PATH_HIER : DDP_COLL_PATH_LARGE;
     const ddp_coll_hdr h = ddp_coll_hdr_make(g, a, path);

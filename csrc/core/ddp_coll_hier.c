@@ -48,9 +48,7 @@ int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
     if (g->algo == DDP_ALGO_AUTO) {
         /* auto: only when some host has several ranks (else it is the ring), and
          * for large messages (three stages cost more latency than the ring's) */
-        size_t bytes = a->count * ddp_dtype_size(a->dtype);
-        if (a->kind != DDP_COLL_ALLREDUCE) bytes *= (size_t)g->size;
-        if (g->nhosts == g->size || bytes < g->hier_min_bytes) return 0;
+        if (g->nhosts == g->size || ddp_coll_call_bytes(g, a) < g->hier_min_bytes) return 0;
     }
     switch (a->kind) {
     case DDP_COLL_ALLREDUCE: case DDP_COLL_BROADCAST: return 1;

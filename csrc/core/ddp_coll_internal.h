@@ -118,6 +118,11 @@ void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len);
 ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll_xchg *x,
                              ddp_wait w, ddp_coll_xres *res);
 
+/* Bytes of the largest buffer a call touches (size*count elements for the
+ * blocked kinds: all_gather, reduce_scatter, gather, scatter): what decides
+ * its path. */
+size_t ddp_coll_call_bytes(const ddp_group *g, const ddp_coll_args *a);
+
 /* Make g->scratch at least n bytes (contents not kept); *out = g->scratch. */
 ddp_status ddp_coll_scratch(ddp_group *g, size_t n, void **out);
 

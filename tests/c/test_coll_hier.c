@@ -263,9 +263,15 @@ static void test_threshold(void) {
     ddp_coll_args rs = small;
     rs.kind = DDP_COLL_REDUCE_SCATTER; /* 4 ranks x 64K floats: the whole input counts */
     rs.count = 1u << 16;
+    ddp_coll_args bc = small;
+    bc.kind = DDP_COLL_BROADCAST; /* one buffer of count elements: 1 MiB - 4 B stays flat */
+    bc.count = (1u << 18) - 1;
     T_ASSERT(!ddp_coll_hier_applies(g, &small));
     T_ASSERT(ddp_coll_hier_applies(g, &big));
     T_ASSERT(ddp_coll_hier_applies(g, &rs));
+    T_ASSERT(!ddp_coll_hier_applies(g, &bc));
+    bc.count++;
+    T_ASSERT(ddp_coll_hier_applies(g, &bc));
     g->algo = DDP_ALGO_HIER;
     T_ASSERT(ddp_coll_hier_applies(g, &small));
     g->algo = DDP_ALGO_FLAT;
