@@ -42,3 +42,12 @@ int ddp_wait_expired(ddp_wait w) {
 int ddp_wait_aborted(ddp_wait w) {
     return w.abort != NULL && atomic_load_explicit(w.abort, memory_order_relaxed) != 0;
 }
+
+void ddp_wait_cond(pthread_cond_t *cv, pthread_mutex_t *mu, ddp_wait w) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += (long)ddp_wait_slice(w) * 1000000L;
+    ts.tv_sec += ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    pthread_cond_timedwait(cv, mu, &ts);
+}

@@ -14,6 +14,7 @@
 #ifndef DDP_CLOCK_H
 #define DDP_CLOCK_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -47,6 +48,12 @@ int ddp_wait_expired(ddp_wait w);
 
 /* 1 if the abort flag is set. */
 int ddp_wait_aborted(ddp_wait w);
+
+/* One slice of a wait on a condition variable (default attributes, so
+ * CLOCK_REALTIME) with mu held: returns after a signal, a spurious wake-up
+ * or at most ddp_wait_slice(w) ms, so the caller's loop re-checks its
+ * condition, w's deadline and abort flag. */
+void ddp_wait_cond(pthread_cond_t *cv, pthread_mutex_t *mu, ddp_wait w);
 
 /* One spin-wait step: tells the CPU this thread is busy-waiting. */
 static inline void ddp_cpu_relax(void) {

@@ -23,7 +23,6 @@
 
 #include <pthread.h>
 #include <stdio.h>
-#include <time.h>
 
 #define PIPE_MIN_PIECE_BYTES ((size_t)1 << 20) /* smaller pieces cost more than they hide */
 #define PIPE_MAX_PIECES 8
@@ -84,12 +83,7 @@ static int pipe_wait(hpipe *p, const size_t *counter, size_t want, const char *w
             st = ddp_error(DDP_ERR_TIMEOUT, "timed out waiting for %s", what);
             break;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t ns = ts.tv_nsec + (int64_t)ddp_wait_slice(p->w) * 1000000 + 1000000;
-        ts.tv_sec += (time_t)(ns / 1000000000);
-        ts.tv_nsec = (long)(ns % 1000000000);
-        pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+        ddp_wait_cond(&p->cv, &p->mu, p->w);
     }
     int failed = p->failed;
     pthread_mutex_unlock(&p->mu);

@@ -116,13 +116,7 @@ ddp_status ddp_work_wait(ddp_work *work, ddp_wait w) {
             return ddp_error(DDP_ERR_TIMEOUT, "%s did not finish before the wait's deadline",
                              ddp_coll_name(work->run.args.kind));
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int slice = ddp_wait_slice(w);
-        ts.tv_nsec += (long)slice * 1000000L;
-        ts.tv_sec += ts.tv_nsec / 1000000000L;
-        ts.tv_nsec %= 1000000000L;
-        pthread_cond_timedwait(&work->cv, &work->mu, &ts);
+        ddp_wait_cond(&work->cv, &work->mu, w);
     }
     ddp_status st = work->status;
     if (st != DDP_OK) ddp_set_error_text(work->msg);
