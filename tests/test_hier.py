@@ -4,8 +4,8 @@ with its own host identity, so same-namespace ranks talk over shared memory and 
 others over TCP. tests/workers/hier.py checks all_reduce, reduce_scatter_tensor,
 all_gather_into_tensor and broadcast against NumPy at world sizes 3 to 8, for equal
 hosts (2 x 4), unequal ones (2 + 1), interleaved ranks (rank r on host r % 2) and every
-PYDDP_ALGO choice; ranks that disagree on PYDDP_ALGO get CollectiveMismatchError on
-every rank. Every process is killed by id at the end (launch.spawn_ranks).
+PYDDP_ALGO choice; ranks that disagree on PYDDP_ALGO (or on a group's
+pg_options={"algo": ...}) get CollectiveMismatchError on every rank. Every process is killed by id at the end (launch.spawn_ranks).
 """
 import os
 import sys
@@ -61,3 +61,10 @@ def test_ranks_that_disagree_on_the_algorithm_get_a_mismatch_error():
         assert x.returncode == 0, f"rank {r}:\n{x.stdout}\n{x.stderr}"
         assert "MISMATCH" in x.stdout and "PYDDP_ALGO" in x.stdout, x.stdout
         assert "hierarchical" in x.stdout and "flat ring" in x.stdout, x.stdout
+
+
+@root_only
+def test_pg_options_choose_the_algorithm_per_group():
+    res = _run([0, 0, 1, 1], args=["--pg-options"], timeout=120)
+    for r, x in enumerate(res):
+        assert x.returncode == 0 and "PASS 5" in x.stdout, f"rank {r}:\n{x.stdout}\n{x.stderr}"

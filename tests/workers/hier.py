@@ -8,7 +8,11 @@ integers and for the float inputs of reference.py, within rounding for float AVG
 
 With --expect-mismatch the job's ranks were started with different PYDDP_ALGO values:
 the first bandwidth-path all_reduce must raise CollectiveMismatchError naming
-PYDDP_ALGO on every rank. Prints "PASS <checks>" (or "MISMATCH <message>").
+PYDDP_ALGO on every rank. With --pg-options the choice is made per group instead
+(new_group(pg_options={"algo": ...})): flat and hierarchical groups give the NumPy
+results, a bad value raises DistValueError before any communication, and a group whose
+members asked for different algorithms gets CollectiveMismatchError. Prints "PASS
+<checks>" (or "MISMATCH <message>").
 """
 import argparse
 import sys
@@ -49,9 +53,34 @@ def run(ck, rank, ws):
     ck.eq(x, data(ws - 1, case, 300_001, "float32"), "broadcast")
 
 
+def run_pg_options(ck, rank, ws):
+    n = 300_001      # float32: above PYDDP_HIER_MIN_BYTES
+    for case, algo in enumerate(("flat", "hier", "auto")):
+        g = dist.new_group(pg_options={"algo": algo})
+        x = data(rank, 900 + case, n, "float32")
+        dist.all_reduce(x, group=g)
+        want = reference([data(r, 900 + case, n, "float32") for r in range(ws)], "SUM",
+                         "float32")
+        ck.eq(x, want, f"all_reduce on a group with algo={algo}")
+    try:
+        dist.new_group(pg_options={"algo": "tree"})
+        raise AssertionError("pg_options algo='tree' was accepted")
+    except dist.DistValueError as e:
+        assert "tree" in str(e), e
+        ck.n += 1
+    odd = dist.new_group(pg_options={"algo": "flat" if rank == 0 else "hier"})
+    try:
+        dist.all_reduce(np.ones(n, np.float32), group=odd)
+        raise AssertionError("different algorithms per rank were not detected")
+    except dist.CollectiveMismatchError as e:
+        assert "hierarchical" in str(e) and "flat ring" in str(e), e
+        ck.n += 1
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--expect-mismatch", action="store_true")
+    ap.add_argument("--pg-options", action="store_true")
     a = ap.parse_args()
     dist.init_process_group("cpu")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -65,6 +94,10 @@ def main():
             return 0
         print(f"rank {rank}: no error", flush=True)
         return 1
+    if a.pg_options:
+        run_pg_options(ck, rank, ws)
+        print(f"PASS {ck.n}", flush=True)     # the mismatch broke the groups: no teardown
+        return 0
     run(ck, rank, ws)
     dist.destroy_process_group()
     print(f"PASS {ck.n}", flush=True)
