@@ -218,13 +218,14 @@ def explain(group, err):
     return summarize(group, info, reports)
 
 
-FIRST_FAILURE_WAIT_S = 0.05
+FIRST_FAILURE_WAIT_S = 0.25
 
 
 def first_failure(w, err):
     """Where a lost connection came from: the first failure any rank of the world
-    recorded (the C worker writes it right after breaking its links), when it was on
-    another rank. Waits at most FIRST_FAILURE_WAIT_S for it, and only for errors that
+    recorded, when it was on another rank. The C worker writes it before it breaks its
+    links, so a rank that saw a peer close normally finds it at once (another rank may
+    still be writing it). Waits at most FIRST_FAILURE_WAIT_S for it, and only for errors that
     say a peer closed the connection."""
     key = f"{w.prefix}/broken"
     deadline = time.monotonic() + (FIRST_FAILURE_WAIT_S if "closed" in str(err) else 0)

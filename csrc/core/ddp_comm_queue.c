@@ -173,19 +173,22 @@ static void run_done(ddp_comm *c, const comm_run *r, ddp_status st) {
 /* The first failure of any rank of the world, kept in the stall store so
  * that a rank that only saw a peer close its connection can say what really
  * went wrong first, and where ("/<prefix>/broken" = "rank=R;what=MESSAGE",
- * set by whoever ADDs "/<prefix>/broken_n" to 1 first). Called after the
- * links are shut down, so peers fail at once; bounded by 2 s. */
+ * set by whoever ADDs "/<prefix>/broken_n" to 1 first). Called before the
+ * links are shut down, so that a peer that fails because this rank closed
+ * its end finds the record already there; bounded by ANNOUNCE_MS in all, so
+ * an unreachable store delays the shutdown by at most that. */
+#define ANNOUNCE_MS 1000
 static void failure_announce(ddp_comm *c, const char *what) {
     if (c->stall_store == NULL) return;
     char key[600], val[1600];
     int64_t i = 0;
+    ddp_wait wt = ddp_wait_for(ANNOUNCE_MS, NULL);
     snprintf(key, sizeof key, "/%s/broken_n", c->stall_prefix);
-    if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, ddp_wait_for(2000, NULL)) !=
-            DDP_OK || i != 1)
+    if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, wt) != DDP_OK || i != 1)
         return;
     snprintf(val, sizeof val, "rank=%d;what=%s", c->rank, what);
     snprintf(key, sizeof key, "/%s/broken", c->stall_prefix);
-    ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
+    ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), wt);
 }
 
 /* Announce a timeout of r in the stall store (see ddp_comm_set_stall_store).
@@ -211,8 +214,8 @@ static void stall_announce(ddp_comm *c, const comm_run *r, const char *what) {
 
 /* Run r's collective on this thread (the engine is marked running and r's
  * flight entry started), then finish it as every run finishes: on failure
- * the message (with what to do about a timeout), the stall announcement,
- * breaking the communicator and the failure announcement; then run_done.
+ * the message (with what to do about a timeout), the stall or failure
+ * announcement, then breaking the communicator; then run_done.
  * check/check_ctx: the wait's check hook (ddp_clock.h), NULL for none.
  * Returns the status, with the message in msg on failure. */
 static ddp_status run_collective(ddp_comm *c, const comm_run *r, int (*check)(void *),
@@ -239,8 +242,8 @@ static ddp_status run_collective(ddp_comm *c, const comm_run *r, int (*check)(vo
     else
         snprintf(msg, len, "%s", ddp_last_error());
     if (st == DDP_ERR_TIMEOUT) stall_announce(c, r, msg);
+    else failure_announce(c, msg);
     ddp_comm_break(c, msg);
-    if (st != DDP_ERR_TIMEOUT) failure_announce(c, msg);
     run_done(c, r, st);
     return st;
 }
