@@ -11,7 +11,8 @@ through mpirun times Open MPI's in-place Allreduce/Bcast/Barrier. Rows: all_redu
 microseconds per call over rounds of back-to-back calls (rank 0's clock, every rank
 calling). The last part times DDP's gradient hooks: a model of 200 small parameters
 (nn.Linear(8, 8) layers), one backward pass with pyddp's DDP minus the same backward
-without DDP, divided by the number of parameters.
+without DDP, divided by the number of parameters; and the hook call alone (the C hook
+against the Python path it falls back to, called directly, best round).
 """
 import argparse
 import os
@@ -130,9 +131,48 @@ def ddp_hook_cost(dist, torch, rounds):
                 step(m)
             per.append((time.perf_counter() - t0) / 20)
         out[name] = statistics.median(per)
+    calls = hook_call_cost(dist, torch, model, x, rounds)
     return {"params": nparam, "step_plain_us": out["plain"] * 1e6,
             "step_ddp_us": out["ddp"] * 1e6,
-            "per_hook_us": (out["ddp"] - out["plain"]) * 1e6 / nparam}
+            "per_hook_us": (out["ddp"] - out["plain"]) * 1e6 / nparam, **calls}
+
+
+def hook_call_cost(dist, torch, model, x, rounds):
+    """Microseconds per call of the hooks themselves, without autograd around them: in
+    an expected synced backward (after a forward) each parameter's registered C hook
+    (GradHooks.hook) is called on it in turn, against the Python path it falls back to
+    (GradSync.on_grad through a weak reference, as _ddp_torch._on_grad does). The
+    end-of-backward callback cannot be queued outside backward, so `first` is a no-op
+    while this runs, and finalize() is called directly."""
+    import weakref
+    sync, params = model._sync, model._params
+    hooks = [sync.hooks.hook(i) for i in range(len(params))]
+    ref = weakref.ref(model)
+
+    def python_hook(i, p):
+        m = ref()
+        if m is not None:
+            m._sync.on_grad(i)
+    py = [lambda p, i=i: python_hook(i, p) for i in range(len(params))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    first, sync.hooks.first = sync.hooks.first, lambda: None
+    out = {}
+    try:
+        for name, hs in (("hook_c_us", hooks), ("hook_python_us", py)) * 2:
+            best = float("inf")
+            for _ in range(rounds * 4):
+                dist.barrier()
+                model(x)                    # a synced backward is now expected
+                t0 = time.perf_counter()
+                for h, p in zip(hs, params):
+                    h(p)
+                best = min(best, time.perf_counter() - t0)
+                sync.finalize()
+            out[name] = min(out.get(name, best), best) * 1e6 / len(params)
+    finally:
+        sync.hooks.first = first
+    return out
 
 
 def mpi_worker(a):
@@ -221,7 +261,9 @@ def report(ws, res, mpi):
         print(f"{op:<11}{nbytes:>7}{cells}{ratio}")
     h = res["hook"]
     print(f"DDP, {h['params']} parameters: backward {h['step_plain_us']:.0f} us without DDP, "
-          f"{h['step_ddp_us']:.0f} us with: {h['per_hook_us']:.1f} us per hook")
+          f"{h['step_ddp_us']:.0f} us with: {h['per_hook_us']:.1f} us per hook; the hook "
+          f"call alone (best round): {h['hook_c_us']:.2f} us in C, "
+          f"{h['hook_python_us']:.2f} us through the Python path")
 
 
 def main():

@@ -307,17 +307,31 @@ class GradSync:
         self.view_mode = view_mode
         self.engine = make_engine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms,
                                   reduce_dtype=reduce_dtype)
-        self.expect = False          # a synced backward is expected (hooks reduce)
-        self.started = False         # a gradient arrived in this synced iteration
+        # The iteration's hook state lives in C (GradHooks), where the torch front-end's
+        # hooks read it: whether a synced backward is expected (hooks reduce), whether a
+        # gradient arrived in it, and each parameter's gradient count.
+        self.hooks = _C.GradHooks(len(params))
         self.broken = None           # message of an unrecoverable error
         self.rebuilt = False
         self._order_seen = None      # arrival order of the first synced iteration
-        self._counts = [0] * len(params)
         self._static_expected = None  # per-parameter gradient count, after iteration 1
         self._static_used = None      # global use counts of iteration 1
         self._static_seen = []
         if view_mode:
             self._point_grads_at_views()
+        self._set_lean()
+
+    expect = property(lambda self: self.hooks.expect,
+                      lambda self, v: setattr(self.hooks, "expect", v))
+    started = property(lambda self: self.hooks.started,
+                       lambda self, v: setattr(self.hooks, "started", v))
+
+    def _set_lean(self):
+        """The C hooks take the common case themselves (see GradHooks): the C data path
+        with none of static_graph, find_unused_parameters, gradient_as_bucket_view."""
+        lean = isinstance(self.engine, CPath) and not (self.static_graph or
+                                                       self.dynamic_unused or self.view_mode)
+        self.hooks.set_lean(self.engine._c if lean else None)
 
     # -- iteration ---------------------------------------------------------------------
     def check_prior(self):
@@ -334,9 +348,8 @@ class GradSync:
     def start(self):
         self.check_prior()
         self.engine.begin()
+        self.hooks.reset()
         self.expect = True
-        self.started = False
-        self._counts = [0] * len(self.params)
         self._static_seen = []
 
     def on_grad(self, i):
@@ -349,24 +362,24 @@ class GradSync:
             return False
         first = not self.started
         self.started = True
-        self._counts[i] += 1
+        count = self.hooks.bump(i)
         if self.static_graph:
             if self._static_first():
-                if self._counts[i] == 1:
+                if count == 1:
                     self._static_seen.append(i)
                 return first          # iteration 1 of a static graph reduces at the end
             if first:                 # parameters the static graph never uses
                 for j, n in enumerate(self._static_expected):
                     if n == 0:
                         self._ready(j)
-            if self._counts[i] > self._static_expected[i]:
+            if count > self._static_expected[i]:
                 self._fail(f"DDP (static_graph=True): rank {self.rank}: parameter "
-                           f"{self.names[i]!r} received {self._counts[i]} gradients in one "
+                           f"{self.names[i]!r} received {count} gradients in one "
                            f"backward pass but {self._static_expected[i]} in the first "
                            f"iteration; the graph is not static, so use static_graph=False")
-            if self._counts[i] < self._static_expected[i]:
+            if count < self._static_expected[i]:
                 return first
-        elif self._counts[i] > 1:
+        elif count > 1:
             self._fail(f"DDP: rank {self.rank}: parameter {self.names[i]!r} received a second "
                        f"gradient in one backward pass (reentrant backward, e.g. activation "
                        f"checkpointing, or a parameter shared by modules run in separate "
@@ -375,13 +388,16 @@ class GradSync:
         try:
             self._ready(i, g)
         except BaseException as e:
-            # Raised inside autograd: remember why, so the next forward explains it
-            # instead of reporting missing gradients.
-            if not self.broken:
-                self._fail(f"DDP: rank {self.rank}: the gradient reduction failed: {e}",
-                           cause=e)
+            self.hook_failed(e)
             raise
         return first
+
+    def hook_failed(self, e):
+        """Handing a gradient to the engine raised e inside autograd: remember why (and
+        break the group), so the next forward explains it instead of reporting missing
+        gradients. Raises DDP's error unless DDP was already broken."""
+        if not self.broken:
+            self._fail(f"DDP: rank {self.rank}: the gradient reduction failed: {e}", cause=e)
 
     def _static_first(self):
         return self.static_graph and self._static_expected is None
@@ -433,7 +449,7 @@ class GradSync:
                     raise type(e)(f"{e}\n{extra}") from None
                 raise
             if first_static:
-                self._static_expected = list(self._counts)
+                self._static_expected = self.hooks.counts()
                 self._static_used = used
             elif self.static_graph:
                 used = self._static_used
@@ -489,6 +505,7 @@ class GradSync:
                              self._timeout_ms, order=order.tolist(),
                              reduce_dtype=self._reduce_dtype)
         self.engine = engine
+        self._set_lean()
         self.rebuilt = True
         self._order_seen = None
         if self.view_mode:

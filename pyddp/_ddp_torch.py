@@ -7,7 +7,9 @@ returns with gradients averaged across ranks:
 
 * each trainable parameter gets a ``register_post_accumulate_grad_hook`` that hands its
   gradient to the reducer the moment autograd has accumulated it, so full buckets are
-  all-reduced on the communication thread while backward goes on;
+  all-reduced on the communication thread while backward goes on (a C hook,
+  ``_C.GradHooks``, which does the common CPU case itself and calls ``_on_grad`` for
+  the rest);
 * the first such hook of a synced iteration queues an autograd engine callback,
   which runs when backward ends: it deals with parameters that got no gradient and
   waits for every bucket (``GradSync.finalize``).
@@ -28,9 +30,40 @@ from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes, dd
 
 
 def _on_grad(ddp_ref, i, param):
+    """The Python hook (GradHooks' slow path): every mode and every rule."""
     ddp = ddp_ref()
     if ddp is not None and ddp._sync.on_grad(i):
         torch.autograd.Variable._execution_engine.queue_callback(ddp._finalize_backward)
+
+
+def _queue_finalize(ddp_ref):
+    """The C hook took the first gradient of a synced iteration: finalize after backward."""
+    ddp = ddp_ref()
+    if ddp is not None:
+        torch.autograd.Variable._execution_engine.queue_callback(ddp._finalize_backward)
+
+
+def _hook_failed(ddp_ref, e):
+    ddp = ddp_ref()
+    if ddp is not None:
+        ddp._sync.hook_failed(e)
+
+
+def _install_hooks(ddp, params):
+    """One C hook per parameter (GradHooks): the common case runs in C, the rest calls
+    back into _on_grad. The hooks hold the DDP weakly; once it is collected they do
+    nothing."""
+    ref = weakref.ref(ddp)
+    hooks = ddp._sync.hooks
+    hooks.slow = functools.partial(_on_grad, ref)
+    hooks.first = functools.partial(_queue_finalize, ref)
+    hooks.failed = functools.partial(_hook_failed, ref)
+    hooks.tensor_type, hooks.strided = torch.Tensor, torch.strided
+    hooks.dtypes = {getattr(torch, n): getattr(_C, "DT_" + n.upper())
+                    for n in ("float16", "bfloat16", "float32", "float64")
+                    if hasattr(_C, "DT_" + n.upper())}
+    weakref.finalize(ddp, hooks.detach)
+    return [p.register_post_accumulate_grad_hook(hooks.hook(i)) for i, p in enumerate(params)]
 
 
 def _to_device(obj, device):
@@ -93,9 +126,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                 view_mode=gradient_as_bucket_view,
                 generic=use_generic_path(pg, params, _generic_path),
                 timeout_ms=self._timeout_ms, reduce_dtype=rdt, group=g)
-        ref = weakref.ref(self)
-        self._hook_handles = [p.register_post_accumulate_grad_hook(
-            functools.partial(_on_grad, ref, i)) for i, p in enumerate(params)]
+        self._hook_handles = _install_hooks(self, params)
 
     def _check_devices(self, trainable, device_ids, output_device):
         types = {p.device.type for _, p in trainable}

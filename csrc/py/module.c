@@ -10,6 +10,7 @@ static int ddp_exec(PyObject *m) {
     if (ddp_py_net_register(m) < 0) return -1;
     if (ddp_py_nccl_register(m) < 0) return -1;
     if (ddp_py_reducer_register(m) < 0) return -1;
+    if (ddp_py_grad_hooks_register(m) < 0) return -1;
     if (ddp_py_settings_register(m) < 0) return -1;
     if (PyModule_AddIntConstant(m, "WIRE_VERSION", DDP_WIRE_VERSION) < 0) return -1;
     return 0;

@@ -80,12 +80,21 @@ struct ddp_comm *ddp_py_pg_comm_ref(PyObject *pg);
  * freed meanwhile; after a close, requests on it fail promptly with "closed". */
 struct ddp_store *ddp_py_store_client_ref(PyObject *obj);
 
+/* The CPU reducer's ready() for a gradient given by address: parameter i's
+ * `count` contiguous host elements of ddp_dtype `dtype` at ptr, owned by
+ * `owner` (kept alive until the iteration ends when the average is copied
+ * back into it, copy_back). None, or NULL with an exception. Used by
+ * Reducer.ready and by the DDP gradient hooks (py_grad_hooks.c). */
+PyObject *ddp_py_reducer_ready(PyObject *reducer, size_t i, PyObject *owner, void *ptr,
+                               size_t count, int dtype, int copy_back);
+
 /* Module exec hooks (return 0 on success, -1 with an exception set). */
 int ddp_py_errors_register(PyObject *m);
 int ddp_py_store_register(PyObject *m);
 int ddp_py_pg_register(PyObject *m);
 int ddp_py_net_register(PyObject *m);
 int ddp_py_reducer_register(PyObject *m);
+int ddp_py_grad_hooks_register(PyObject *m);
 int ddp_py_nccl_register(PyObject *m);
 int ddp_py_work_register(PyObject *m);
 int ddp_py_settings_register(PyObject *m);

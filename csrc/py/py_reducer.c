@@ -371,41 +371,9 @@ static int check_comm(ReducerObject *self) {
     return 0;
 }
 
-/* ready(i, grad, copy_back[, ptr, count, dtype]): with ptr, count and dtype
- * (a ddp_dtype code) grad is not imported: it is the owner (kept alive, like
- * an imported one) of `count` contiguous host elements at address ptr (a
- * CPU torch tensor's data_ptr(): no DLPack capsule or NumPy view per call). */
-static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
-    PyObject *idx, *grad, *ptro = NULL;
-    int copy_back, dt = -1;
-    long long count = -1;
-    if (!PyArg_ParseTuple(args, "OOp|OLi", &idx, &grad, &copy_back, &ptro, &count, &dt))
-        return NULL;
-    size_t i;
-    if (param_index(self, idx, &i) < 0) return NULL;
-    if (self->buckets == NULL)
-        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: no buckets attached");
-    if (check_comm(self) < 0) return NULL;
-    ddp_py_array g;
-    memset(&g, 0, sizeof g);
-    if (ptro != NULL) {
-        g.ptr = PyLong_AsVoidPtr(ptro);
-        if (PyErr_Occurred()) return NULL;
-        if (grad == Py_None || count < 0 || dt < 0 || dt >= DDP_DTYPE_COUNT ||
-            (g.ptr == NULL && count > 0))
-            return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: invalid gradient buffer");
-        g.count = (size_t)count;
-        g.dtype = (ddp_dtype)dt;
-        g.device = DDP_DEV_CPU;
-        g.owner = Py_NewRef(grad);
-    } else if (grad != Py_None) {
-        if (ddp_py_array_import(grad, copy_back, "gradient", &g) < 0) return NULL;
-        if (g.device != DDP_DEV_CPU) {
-            ddp_py_array_release(&g);
-            return ddp_py_raise(DDP_ERR_TYPE, "DDP: a gradient is on a GPU but the CPU "
-                                "reducer is in use");
-        }
-    }
+/* Hand gradient g (owned by the call: released or kept) of parameter i to
+ * the C reducer; see ddp_py_reducer_ready in py_common.h. */
+static PyObject *ready_array(ReducerObject *self, size_t i, ddp_py_array g, int copy_back) {
     size_t bytes = g.count * ddp_dtype_size(g.dtype);
     ddp_status st;
     if (bytes >= RELEASE_GIL_BYTES) {
@@ -425,6 +393,71 @@ static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
         ddp_py_array_release(&g);
     }
     return check_status(st);
+}
+
+/* Checks shared by both entries: buckets attached, group not destroyed. */
+static int ready_checks(ReducerObject *self) {
+    if (self->buckets == NULL) {
+        ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: no buckets attached");
+        return -1;
+    }
+    return check_comm(self);
+}
+
+PyObject *ddp_py_reducer_ready(PyObject *reducer, size_t i, PyObject *owner, void *ptr,
+                               size_t count, int dtype, int copy_back) {
+    if (!PyObject_TypeCheck(reducer, ReducerType))
+        return ddp_py_raise(DDP_ERR_TYPE, "not a pyddp._C.Reducer");
+    ReducerObject *self = (ReducerObject *)reducer;
+    if (i >= ddp_reducer_plan(self->r)->nparams) {
+        PyErr_Format(PyExc_IndexError, "parameter index %zu out of range", i);
+        return NULL;
+    }
+    if (ready_checks(self) < 0) return NULL;
+    if (dtype < 0 || dtype >= DDP_DTYPE_COUNT || (ptr == NULL && count > 0))
+        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: invalid gradient buffer");
+    ddp_py_array g;
+    memset(&g, 0, sizeof g);
+    g.ptr = ptr;
+    g.count = count;
+    g.dtype = (ddp_dtype)dtype;
+    g.device = DDP_DEV_CPU;
+    g.owner = Py_NewRef(owner);
+    return ready_array(self, i, g, copy_back);
+}
+
+/* ready(i, grad, copy_back[, ptr, count, dtype]): with ptr, count and dtype
+ * (a ddp_dtype code) grad is not imported: it is the owner (kept alive, like
+ * an imported one) of `count` contiguous host elements at address ptr (a
+ * CPU torch tensor's data_ptr(): no DLPack capsule or NumPy view per call). */
+static PyObject *reducer_ready(ReducerObject *self, PyObject *args) {
+    PyObject *idx, *grad, *ptro = NULL;
+    int copy_back, dt = -1;
+    long long count = -1;
+    if (!PyArg_ParseTuple(args, "OOp|OLi", &idx, &grad, &copy_back, &ptro, &count, &dt))
+        return NULL;
+    size_t i;
+    if (param_index(self, idx, &i) < 0) return NULL;
+    if (ptro != NULL) {
+        void *ptr = PyLong_AsVoidPtr(ptro);
+        if (PyErr_Occurred()) return NULL;
+        if (grad == Py_None || count < 0)
+            return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: invalid gradient buffer");
+        return ddp_py_reducer_ready((PyObject *)self, i, grad, ptr, (size_t)count, dt,
+                                    copy_back);
+    }
+    if (ready_checks(self) < 0) return NULL;
+    ddp_py_array g;
+    memset(&g, 0, sizeof g);
+    if (grad != Py_None) {
+        if (ddp_py_array_import(grad, copy_back, "gradient", &g) < 0) return NULL;
+        if (g.device != DDP_DEV_CPU) {
+            ddp_py_array_release(&g);
+            return ddp_py_raise(DDP_ERR_TYPE, "DDP: a gradient is on a GPU but the CPU "
+                                "reducer is in use");
+        }
+    }
+    return ready_array(self, i, g, copy_back);
 }
 
 static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {

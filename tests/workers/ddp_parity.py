@@ -260,9 +260,78 @@ def run_mismatch_error(rank):
     print(f"PASS mismatch_error rank={rank}", flush=True)
 
 
+def run_twice_error(rank):
+    """fc2 under reentrant checkpointing twice, without static_graph: its second gradient
+    in one backward is an error naming it (the C hook hands such a gradient to the Python
+    rules), and the group is broken so the peers fail too."""
+    torch.manual_seed(5)
+    ddp = pyddp.DistributedDataParallel(Net(ckpt=True))
+    x, y = batch(0, 0, rank)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except pyddp.DistError as e:
+        assert "fc2.weight" in str(e) or "fc2.bias" in str(e), str(e)
+        assert "second gradient" in str(e) and "static_graph=True" in str(e), str(e)
+    else:
+        raise AssertionError("a second gradient in one backward pass was accepted")
+    _reinit()
+    print(f"PASS twice_error rank={rank}", flush=True)
+
+
+def run_destroyed_group(rank):
+    """The process group is destroyed under a wrapped model: backward raises DistError
+    saying so (from inside the gradient hook), and a new group works."""
+    torch.manual_seed(5)
+    ddp = pyddp.DistributedDataParallel(Net())
+    x, y = batch(0, 0, rank)
+    loss = F.cross_entropy(ddp(x), y)
+    pyddp.barrier()
+    pyddp.destroy_process_group()
+    try:
+        loss.backward()
+    except pyddp.DistError as e:
+        assert "destroyed" in str(e), str(e)
+    else:
+        raise AssertionError("backward on a destroyed process group did not fail")
+    pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
+    pyddp.barrier()
+    print(f"PASS destroyed_group rank={rank}", flush=True)
+
+
+def run_collected(rank):
+    """Once the DDP wrapper is garbage-collected, its hooks on the module's parameters do
+    nothing: backward on the bare module gives this rank's own gradients (as without
+    DDP) and communicates nothing, even on rank 0 alone (a launched all-reduce would
+    pair with the barrier below: a mismatch)."""
+    import gc
+    torch.manual_seed(5 + rank)
+    model, plain = Net(), Net()
+    ddp = pyddp.DistributedDataParallel(model)   # rank 0's weights everywhere
+    plain.load_state_dict(model.state_dict())
+    x, y = batch(0, 0, rank)
+    for _ in range(2):      # synced steps while it lives (the second forward re-plans)
+        F.cross_entropy(ddp(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    if rank == 0:
+        ddp(x)                                  # a synced backward expected ...
+    del ddp                                     # ... but the wrapper goes away
+    gc.collect()
+    if rank == 0:
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(plain(x), y).backward()
+        for (k, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+            assert torch.equal(p.grad, q.grad), f"collected: {k}.grad is not the local gradient"
+    pyddp.barrier()
+    t = torch.ones(3)
+    pyddp.all_reduce(t)
+    assert t.tolist() == [pyddp.get_world_size()] * 3, t
+    print(f"PASS collected rank={rank}", flush=True)
+
+
 def main():
     names = sys.argv[1:] or list(CONFIGS) + ["subgroup", "unused_error", "unused_alone",
-                                             "mismatch_error"]
+                                             "mismatch_error", "twice_error",
+                                             "destroyed_group", "collected"]
     tdist.init_process_group("gloo")
     pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
     rank = pyddp.get_rank()
@@ -276,6 +345,12 @@ def main():
             run_subgroup(rank)
         elif name == "mismatch_error":
             run_mismatch_error(rank)
+        elif name == "twice_error":
+            run_twice_error(rank)
+        elif name == "destroyed_group":
+            run_destroyed_group(rank)
+        elif name == "collected":
+            run_collected(rank)
         else:
             run_parity(name, rank)
     pyddp.destroy_process_group()
