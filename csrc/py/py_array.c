@@ -122,9 +122,13 @@ static int from_dltensor(const DLTensor *t, int ro, int writable, const char *ar
     int bits = t->dtype.bits;
     int dt = (t->dtype.lanes == 1 && bits % 8 == 0) ? dtype_of(kind, bits / 8) : -1;
     if (dt < 0) {
-        char what[64];
-        PyOS_snprintf(what, sizeof what, "(DLPack code %d, %d bits, %d lanes)", t->dtype.code,
-                      bits, t->dtype.lanes);
+        static const char *names[] = {"int", "uint", "float", "opaque handle", "bfloat",
+                                      "complex", "bool"};
+        const char *name = t->dtype.code < sizeof names / sizeof *names
+                               ? names[t->dtype.code] : "unknown kind";
+        char what[96];
+        PyOS_snprintf(what, sizeof what, "(%s%d%s; DLPack code %d, %d lanes)", name, bits,
+                      t->dtype.lanes > 1 ? " vector" : "", t->dtype.code, t->dtype.lanes);
         return bad_dtype(argname, what);
     }
     if (!dl_compact(t)) return not_contiguous(argname);
