@@ -20,6 +20,7 @@ How it works, without touching the hot path:
 """
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -220,23 +221,60 @@ def explain(group, err):
 
 FIRST_FAILURE_WAIT_S = 0.25
 
+# "receiving from rank 3 (10.0.0.2:4711) (0 of 40 bytes done): the peer closed ..." (the
+# link driver's wording, ddp_link.c; peers are named by world rank): the peer this
+# failure blames, when the failure is that the peer went away.
+_PEER = re.compile(r"(?:receiving from|sending to) rank (\d+) \(")
+_LOST = re.compile(r"closed|reset|[Bb]roken pipe|shut down|no answer from")
 
-def first_failure(w, err):
-    """Where a lost connection came from: the first failure any rank of the world
-    recorded, when it was on another rank. The C worker writes it before it breaks its
-    links, so a rank that saw a peer close normally finds it at once (another rank may
-    still be writing it). Waits at most FIRST_FAILURE_WAIT_S for it, and only for errors that
-    say a peer closed the connection."""
-    key = f"{w.prefix}/broken"
-    deadline = time.monotonic() + (FIRST_FAILURE_WAIT_S if "closed" in str(err) else 0)
+
+def _blamed(what):
+    """The world rank a failure message says went away, or None (its own error)."""
+    m = _PEER.search(what)
+    return int(m.group(1)) if m and _LOST.search(what) else None
+
+
+def _record(w, key, deadline):
+    """The "rank=R;what=..." record at key as a dict, waiting until deadline; or None."""
     while not w.reports.check([key]):
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.005)
-    d = dict(kv.split("=", 1) for kv in w.reports.get(key).decode().split(";", 1))
-    if int(d["rank"]) == w.rank:
+    return dict(kv.split("=", 1) for kv in w.reports.get(key).decode().split(";", 1))
+
+
+def first_failure(w, err):
+    """Where a lost connection came from. Every failing rank records its error in the
+    store before it breaks its links (broken/<rank>; the C worker's failure_announce),
+    so this follows the chain from the peer err blames: a rank that recorded an error of
+    its own is the first failure; one that recorded nothing went away without one (died,
+    killed, exited). Waits at most FIRST_FAILURE_WAIT_S in all, and only for errors that
+    blame a peer. None when there is nothing to add (err already names the cause)."""
+    msg = str(err)
+    cur = _blamed(msg)
+    if cur is None:
         return None
-    return f"The first failure in this job was on rank {d['rank']}: {d['what']}"
+    deadline = time.monotonic() + FIRST_FAILURE_WAIT_S
+    seen, last = {w.rank}, None      # last: (rank, message) of the latest record read
+    while cur not in seen:
+        seen.add(cur)
+        rec = _record(w, f"{w.prefix}/broken/{cur}", deadline)
+        if rec is None:
+            if last is None:         # err's own peer went away: err says so already
+                return None
+            return (f"Rank {cur} recorded no error of its own: it most likely died, was "
+                    f"killed or exited (check its log and exit status). Rank {last[0]} "
+                    f"lost it: {last[1]}")
+        last = (cur, rec["what"])
+        nxt = _blamed(rec["what"])
+        if nxt is None:
+            return f"The first failure in this job was on rank {cur}: {rec['what']}"
+        cur = nxt
+    # Ranks that gave up on each other: the first record, if another rank made it.
+    first = _record(w, f"{w.prefix}/broken", 0)
+    if first is None or int(first["rank"]) == w.rank:
+        return None
+    return f"The first failure in this job was on rank {first['rank']}: {first['what']}"
 
 
 def summarize(group, info, reports):

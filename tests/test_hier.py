@@ -5,9 +5,12 @@ others over TCP. tests/workers/hier.py checks all_reduce, reduce_scatter_tensor,
 all_gather_into_tensor and broadcast against NumPy at world sizes 3 to 8, for equal
 hosts (2 x 4), unequal ones (2 + 1), interleaved ranks (rank r on host r % 2) and every
 PYDDP_ALGO choice; ranks that disagree on PYDDP_ALGO (or on a group's
-pg_options={"algo": ...}) get CollectiveMismatchError on every rank. Every process is killed by id at the end (launch.spawn_ranks).
+pg_options={"algo": ...}) get CollectiveMismatchError on every rank; a rank killed in the
+middle of hierarchical all-reduces makes every other rank fail within seconds with an
+error that names it. Every process is killed by id at the end (launch.spawn_ranks).
 """
 import os
+import re
 import sys
 
 import pytest
@@ -68,3 +71,23 @@ def test_pg_options_choose_the_algorithm_per_group():
     res = _run([0, 0, 1, 1], args=["--pg-options"], timeout=120)
     for r, x in enumerate(res):
         assert x.returncode == 0 and "PASS 5" in x.stdout, f"rank {r}:\n{x.stdout}\n{x.stderr}"
+
+
+@root_only
+@pytest.mark.parametrize("host_of,victim", [([0, 0, 1, 1], 3), ([0, 0, 0, 0, 1, 1, 1, 1], 1)])
+def test_a_rank_killed_mid_collective_fails_every_other_rank_fast(host_of, victim):
+    """SIGKILL of one rank while it runs pipelined hierarchical all-reduces (PYDDP_ALGO=hier):
+    the others fail in seconds (not at the 120 s timeout), whether they talk to it
+    directly (its host's ranks, its rail) or only through ranks that gave up, and each
+    error names the dead rank."""
+    res = _run(host_of, lambda r: {"PYDDP_ALGO": "hier"}, args=["--victim", str(victim)],
+               timeout=120)
+    assert "KILLING" in res[victim].stdout, res[victim].output
+    for r, x in enumerate(res):
+        if r == victim:
+            continue
+        m = re.search(r"RESULT error=(\w+) seconds=([\d.]+) msg=(.*)", x.stdout)
+        assert m, f"rank {r}:\n{x.stdout}\n{x.stderr}"
+        assert m.group(1) in ("DistNetworkError", "DistBackendError", "DistError"), m.group(0)
+        assert float(m.group(2)) < 15, m.group(0)
+        assert f"rank {victim}" in m.group(3), m.group(0)

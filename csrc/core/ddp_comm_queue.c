@@ -170,23 +170,28 @@ static void run_done(ddp_comm *c, const comm_run *r, ddp_status st) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* The first failure of any rank of the world, kept in the stall store so
- * that a rank that only saw a peer close its connection can say what really
- * went wrong first, and where ("/<prefix>/broken" = "rank=R;what=MESSAGE",
- * set by whoever ADDs "/<prefix>/broken_n" to 1 first). Called before the
- * links are shut down, so that a peer that fails because this rank closed
- * its end finds the record already there; bounded by ANNOUNCE_MS in all, so
- * an unreachable store delays the shutdown by at most that. */
+/* This rank's failure, kept in the stall store so that a rank that only saw
+ * a peer close its connection can say what really went wrong, and where:
+ * "/<prefix>/broken/<rank>" = "rank=R;what=MESSAGE" for every failing rank
+ * (pyddp/_forensics.py follows who lost whom from there), and
+ * "/<prefix>/broken" the same for the first, set by whoever ADDs
+ * "/<prefix>/broken_n" to 1 first. Called before the links are shut down, so
+ * that a peer that fails because this rank closed its end finds the record
+ * already there; bounded by ANNOUNCE_MS in all, so an unreachable store
+ * delays the shutdown by at most that. */
 #define ANNOUNCE_MS 1000
 static void failure_announce(ddp_comm *c, const char *what) {
     if (c->stall_store == NULL) return;
     char key[600], val[1600];
     int64_t i = 0;
     ddp_wait wt = ddp_wait_for(ANNOUNCE_MS, NULL);
+    snprintf(val, sizeof val, "rank=%d;what=%s", c->rank, what);
+    snprintf(key, sizeof key, "/%s/broken/%d", c->stall_prefix, c->rank);
+    if (ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), wt) != DDP_OK)
+        return;
     snprintf(key, sizeof key, "/%s/broken_n", c->stall_prefix);
     if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, wt) != DDP_OK || i != 1)
         return;
-    snprintf(val, sizeof val, "rank=%d;what=%s", c->rank, what);
     snprintf(key, sizeof key, "/%s/broken", c->stall_prefix);
     ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), wt);
 }

@@ -11,11 +11,17 @@ the first bandwidth-path all_reduce must raise CollectiveMismatchError naming
 PYDDP_ALGO on every rank. With --pg-options the choice is made per group instead
 (new_group(pg_options={"algo": ...})): flat and hierarchical groups give the NumPy
 results, a bad value raises DistValueError before any communication, and a group whose
-members asked for different algorithms gets CollectiveMismatchError. Prints "PASS
-<checks>" (or "MISMATCH <message>").
+members asked for different algorithms gets CollectiveMismatchError. With --victim R,
+rank R kills itself (SIGKILL, from a timer thread) while it runs 4 MiB all-reduces (the
+pipelined hierarchical path) and every other rank prints "RESULT error=<class> seconds=<s> msg=<message>".
+Prints "PASS <checks>" (or "MISMATCH <message>").
 """
 import argparse
+import os
+import signal
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -77,10 +83,31 @@ def run_pg_options(ck, rank, ws):
         ck.n += 1
 
 
+def run_victim(rank, victim):
+    x = np.ones(1 << 20, np.float32)       # 4 MiB: the pipelined hierarchical all-reduce
+    dist.all_reduce(x)
+    if rank == victim:
+        # from another thread while this one is inside the all-reduces: mid-transfer
+        def die():
+            print("KILLING", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.3, die).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(10000):
+            dist.all_reduce(x)
+        print("RESULT error=None", flush=True)
+    except Exception as e:  # noqa: BLE001 - the test checks class, time and message
+        msg = str(e).replace("\n", " ")
+        print(f"RESULT error={type(e).__name__} seconds={time.monotonic() - t0:.2f} "
+              f"msg={msg}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--expect-mismatch", action="store_true")
     ap.add_argument("--pg-options", action="store_true")
+    ap.add_argument("--victim", type=int, default=-1)
     a = ap.parse_args()
     dist.init_process_group("cpu")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -94,6 +121,9 @@ def main():
             return 0
         print(f"rank {rank}: no error", flush=True)
         return 1
+    if a.victim >= 0:
+        run_victim(rank, a.victim)
+        return 0
     if a.pg_options:
         run_pg_options(ck, rank, ws)
         print(f"PASS {ck.n}", flush=True)     # the mismatch broke the groups: no teardown
