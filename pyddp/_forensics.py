@@ -30,6 +30,7 @@ from datetime import timedelta
 from . import _C
 
 REPORT_WAIT_S = 2.0
+CONNECT_S = 30.0          # the watcher's store connections: time to connect
 _FRAMES_PER_THREAD = 12
 
 _by_tag = weakref.WeakValueDictionary()   # group tag -> Group of this process
@@ -115,8 +116,14 @@ class Watcher:
         self.prefix = f"{group._prefix}/stall"
         self._stop = False
         host = st.host or "127.0.0.1"     # "" names a server this process hosts
-        self.reports = TCPStore(host, st.port, timeout=timedelta(seconds=REPORT_WAIT_S))
-        self._watch = TCPStore(host, st.port, timeout=timedelta(hours=1))
+        # Connect with time to spare: torch's TCPStore servers (torchrun's agent store)
+        # now and then take 5 s to answer a new connection. Only the reports' requests
+        # are bounded by REPORT_WAIT_S.
+        connect = timedelta(seconds=CONNECT_S)
+        self.reports = TCPStore(host, st.port, timeout=connect)
+        self.reports.set_timeout(timedelta(seconds=REPORT_WAIT_S))
+        self._watch = TCPStore(host, st.port, timeout=connect)
+        self._watch.set_timeout(timedelta(hours=1))
         group._pg.set_stall_store(self.reports._client, self.prefix)
         self._thread = threading.Thread(target=self._run, name="pyddp-watcher", daemon=True)
         self._thread.start()

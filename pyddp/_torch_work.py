@@ -58,6 +58,22 @@ def raise_as_torch(e):
     raise t from e
 
 
+def _raise_stored(e):
+    """Raise the error e that a torch future holds as a fresh exception of the same class
+    and message (cause kept), never e itself. Raising an object gives it the frames it
+    passes through; e's would then hold this Work (through the frames' locals), which
+    holds the future, which holds e: a cycle through torch's C++ future that the garbage
+    collector cannot see, so every failed call would keep its Work, its pyddp group and
+    the group's connections alive forever."""
+    e.__traceback__ = None
+    try:
+        fresh = type(e)(*e.args)
+    except Exception:  # noqa: BLE001 - a class that cannot be re-made: raise e itself
+        raise e from e.__cause__
+    fresh.__cause__ = e.__cause__
+    raise fresh
+
+
 class _Dispatcher:
     """Runs the completion of torch futures off pyddp's completion thread.
 
@@ -120,6 +136,7 @@ class _Dispatcher:
                 self._idle -= 1
                 fn = self._queue.popleft()
             fn()
+            fn = None       # an idle thread must not keep the last call's objects alive
 
     def _after_fork(self):
         self.__init__()         # the pool's threads do not exist in a forked child
@@ -206,7 +223,10 @@ class PyddpWork(dist.Work):
                     if not w.is_completed():          # wait(timeout) expired
                         raise_as_torch(e)
             comp.fire()
-        self._fut.wait()
+        try:
+            self._fut.wait()
+        except Exception as e:  # noqa: BLE001 - the collective's error, re-raised fresh
+            _raise_stored(e)
         return True
 
     def get_future(self):
@@ -224,11 +244,15 @@ class PyddpWork(dist.Work):
         try:
             self._fut.value()
         except Exception as e:  # noqa: BLE001 - the stored error, returned
+            e.__traceback__ = None      # no frame of ours on it (see _raise_stored)
             return e
         return None
 
     def result(self):
-        return self._fut.value()
+        try:
+            return self._fut.value()
+        except Exception as e:  # noqa: BLE001 - the collective's error, re-raised fresh
+            _raise_stored(e)
 
     def synchronize(self):
         self.wait()

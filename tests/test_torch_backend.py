@@ -119,6 +119,8 @@ def test_errors_arrive_as_torch_dist_errors():
     mism = sorted(int(r) for c, r, t, rest in cases if c == "mismatch" and
                   t == "CollectiveMismatchError" and "pyddp_class=True names_both=True" in rest)
     assert mism == [0, 1], out[-6000:]
+    rep = sorted((int(r), rest.strip()) for c, r, t, rest in cases if c == "repeated")
+    assert rep == [(0, "missed=0 alive=none"), (1, "missed=0 alive=none")], out[-6000:]
     tmo = [rest for c, r, t, rest in cases if c == "timeout"]
     assert len(tmo) == 1 and "timeouterror=True" in tmo[0], out[-6000:]
     assert float(re.search(r"after=([\d.]+)", tmo[0]).group(1)) < 15, tmo

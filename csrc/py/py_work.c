@@ -42,7 +42,7 @@ typedef struct {
     void *mem;             /* argument memory the transport reads (PyMem), or NULL */
     int has_stream;
     uintptr_t stream;
-    int finished;          /* status recorded, arrays let go */
+    int finished;          /* FIN_*: status recorded (DONE), arrays let go */
     ddp_status status;
     PyObject *error;       /* message (str) or NULL */
     PyObject *callbacks;   /* list of callables, or NULL */
@@ -51,6 +51,9 @@ typedef struct {
 static PyTypeObject *WorkType;
 
 /* ---- finishing ------------------------------------------------------- */
+
+/* WorkObject.finished */
+enum { FIN_NOT = 0, FIN_BUSY = 1, FIN_DONE = 2 };
 
 static void release_arrays(WorkObject *w) {
     for (int i = 0; i < w->narrs; i++) ddp_py_array_release(&w->arrs[i]);
@@ -62,10 +65,23 @@ static void release_arrays(WorkObject *w) {
 }
 
 /* Record the outcome, publish results on the caller's stream, and let go of
- * the arrays once the transport is done with them. Requires the work done. */
+ * the arrays once the transport is done with them. Requires the work done.
+ * The GIL is released in the middle (the transport's last wait, a device's
+ * drain), so another thread can arrive meanwhile: `finished` is FIN_BUSY
+ * until status and error are recorded, and such a thread waits for FIN_DONE
+ * instead of reading a status not written yet (which would read as success). */
 static void work_finish(WorkObject *w) {
-    if (w->finished) return;
-    w->finished = 1;
+    if (w->finished == FIN_DONE) return;
+    if (w->finished == FIN_BUSY) {
+        while (w->finished == FIN_BUSY) {   /* read with the GIL held */
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+            Py_END_ALLOW_THREADS
+        }
+        return;
+    }
+    w->finished = FIN_BUSY;
     ddp_pg_work cw = w->work;
     w->work.w = NULL;
     ddp_status st = DDP_OK;
@@ -94,6 +110,7 @@ static void work_finish(WorkObject *w) {
         w->narrs = 0;
         w->mem = NULL;
     }
+    w->finished = FIN_DONE;
 }
 
 typedef struct {
@@ -282,7 +299,7 @@ static PyObject *work_is_completed(WorkObject *w, PyObject *unused) {
 }
 
 static PyObject *work_exception(WorkObject *w, PyObject *unused) {
-    if (!w->finished) {
+    if (w->finished != FIN_DONE) {
         if (!core_done(w)) Py_RETURN_NONE;
         work_finish(w);
     }
@@ -372,7 +389,7 @@ PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, in
     w->mem = mem;
     w->has_stream = has_stream;
     w->stream = stream;
-    w->finished = 0;
+    w->finished = FIN_NOT;
     w->status = DDP_OK;
     w->error = NULL;
     w->callbacks = NULL;

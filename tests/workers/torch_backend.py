@@ -7,7 +7,8 @@ users do). Modes:
 * ``all`` (default, under torchrun): every collective against arithmetic
   (torch_colls.py), then DDP over pyddp against DDP over gloo, FSDP2 and DTensor
   (torch_train.py), in one process group. Prints "PASS <section> rank=<r>" per section.
-* ``errors`` (torchrun, 2 ranks): a mismatch, a timeout from the group's options and a
+* ``errors`` (torchrun, 2 ranks): a mismatch (also 12 times in a row, with nothing
+  left alive afterwards), a timeout from the group's options and a
   dead peer arrive as torch's DistError family; each breaks the group, which is
   destroyed and initialised again (a second init in the same process starts clean).
 * ``restart`` (torchrun --max-restarts=1): attempt 0 fails after a collective; attempt 1
@@ -79,6 +80,26 @@ def run_errors(rank, ws):
             f"pyddp_class={isinstance(e, pyddp.CollectiveMismatchError)} "
             f"names_both={'rank 0 called' in str(e) and 'rank 1 called' in str(e)}")
     dist.destroy_process_group()
+    # 1b. the same mismatch, again and again: every rank reports it every time (a work
+    # finished on two threads at once once read as success on one of them), and the
+    # failed calls leave nothing alive (their Works, groups and connections)
+    import gc
+    import pyddp
+    missed = 0
+    for _ in range(12):
+        dist.init_process_group("pyddp")
+        try:
+            dist.all_reduce(torch.ones(4 + rank))
+            missed += 1
+        except pyddp.CollectiveMismatchError:
+            pass
+        dist.destroy_process_group()
+    gc.collect()
+    alive = sorted({type(o).__name__ for o in gc.get_objects()
+                    if type(o).__module__.startswith("pyddp")
+                    and type(o).__name__ in ("Work", "PyddpWork", "_Completion", "Group")})
+    say(f"ERRCASE repeated rank={rank} type=CollectiveMismatchError missed={missed} "
+        f"alive={','.join(alive) or 'none'}")
     # 2. the group's timeout (from init_process_group's options): rank 1 stays away
     dist.init_process_group("pyddp", timeout=datetime.timedelta(seconds=2))
     dist.barrier()
