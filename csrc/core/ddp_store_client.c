@@ -37,8 +37,12 @@
 #include "ddp_sock.h"
 #include "ddp_store_wire.h"
 
-/* How long the cancel/drain after an expired WAIT may take. */
-#define DDP_STORE_GRACE_MS 5000
+/* How long a reply the server owes may take when the caller's own deadline
+ * has run out: the cancel/drain after an expired WAIT, and the GET after a
+ * WAIT that succeeded (the key exists). Giving up on an owed reply leaves
+ * the connection out of step, so it would be unusable afterwards; torch's
+ * TCPStore servers sometimes take 5 s to answer. */
+#define DDP_STORE_GRACE_MS 30000
 /* How long a server may take to answer the authentication request. */
 #define AUTH_REPLY_MS 10000
 /* How many keys of a timed-out WAIT are probed to name the missing one. */
@@ -433,6 +437,10 @@ ddp_status ddp_store_get(ddp_store *s, const char *key, size_t klen, void **val,
     ddp_status st = begin(s, w, DDP_Q_WAIT);
     if (st != DDP_OK) return st;
     st = wait_locked(s, &key, &klen, 1, w);
+    /* The key exists now; its value is owed even if w ran out meanwhile (a WAIT
+     * that raced its own cancel, a late answer). */
+    int64_t floor = ddp_now_ms() + DDP_STORE_GRACE_MS;
+    if (w.deadline_ms < floor) w.deadline_ms = floor;
     if (st == DDP_OK) {
         s->req.start = s->req.len = 0;
         ddp_wbuf_u8(&s->req, DDP_Q_GET);

@@ -80,7 +80,21 @@ def run_errors(rank, ws):
             f"pyddp_class={isinstance(e, pyddp.CollectiveMismatchError)} "
             f"names_both={'rank 0 called' in str(e) and 'rank 1 called' in str(e)}")
     dist.destroy_process_group()
-    # 1b. the same mismatch, again and again: every rank reports it every time (a work
+    # 2. the group's timeout (from init_process_group's options): rank 1 stays away
+    dist.init_process_group("pyddp", timeout=datetime.timedelta(seconds=2))
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(3))
+            print("rank 0: no timeout", flush=True)
+        except dist.DistError as e:
+            say(f"ERRCASE timeout rank=0 type={type(e).__name__} "
+                f"timeouterror={isinstance(e, TimeoutError)} after={time.monotonic() - t0:.1f}")
+    else:
+        time.sleep(4)
+    dist.destroy_process_group()
+    # 2b. case 1's mismatch, again and again: every rank reports it every time (a work
     # finished on two threads at once once read as success on one of them), and the
     # failed calls leave nothing alive (their Works, groups and connections)
     import gc
@@ -100,20 +114,6 @@ def run_errors(rank, ws):
                     and type(o).__name__ in ("Work", "PyddpWork", "_Completion", "Group")})
     say(f"ERRCASE repeated rank={rank} type=CollectiveMismatchError missed={missed} "
         f"alive={','.join(alive) or 'none'}")
-    # 2. the group's timeout (from init_process_group's options): rank 1 stays away
-    dist.init_process_group("pyddp", timeout=datetime.timedelta(seconds=2))
-    dist.barrier()
-    if rank == 0:
-        t0 = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(3))
-            print("rank 0: no timeout", flush=True)
-        except dist.DistError as e:
-            say(f"ERRCASE timeout rank=0 type={type(e).__name__} "
-                f"timeouterror={isinstance(e, TimeoutError)} after={time.monotonic() - t0:.1f}")
-    else:
-        time.sleep(4)
-    dist.destroy_process_group()
     # 3. a peer dies: the survivor fails fast, with a DistError
     dist.init_process_group("pyddp")
     x = torch.ones(3)
