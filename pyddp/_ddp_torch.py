@@ -33,7 +33,7 @@ def _on_grad(ddp_ref, i, param):
     """The Python hook (GradHooks' slow path): every mode and every rule."""
     ddp = ddp_ref()
     if ddp is not None and ddp._sync.on_grad(i):
-        torch.autograd.Variable._execution_engine.queue_callback(ddp._finalize_backward)
+        _queue_finalize(ddp_ref)
 
 
 def _queue_finalize(ddp_ref):

@@ -232,7 +232,7 @@ FIRST_FAILURE_WAIT_S = 0.25
 # link driver's wording, ddp_link.c; peers are named by world rank): the peer this
 # failure blames, when the failure is that the peer went away.
 _PEER = re.compile(r"(?:receiving from|sending to) rank (\d+) \(")
-_LOST = re.compile(r"closed|reset|[Bb]roken pipe|shut down|no answer from")
+_LOST = re.compile(r"closed|reset|[Bb]roken pipe|no answer from")
 
 
 def _blamed(what):

@@ -245,14 +245,17 @@ static PyObject *reducer_end(ReducerObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* 0 if i names a parameter of the plan, else -1 with IndexError. */
+static int index_in_range(ReducerObject *self, size_t i) {
+    if (i < ddp_reducer_plan(self->r)->nparams) return 0;
+    PyErr_Format(PyExc_IndexError, "parameter index %zu out of range", i);
+    return -1;
+}
+
 static int param_index(ReducerObject *self, PyObject *arg, size_t *i) {
     *i = PyLong_AsSize_t(arg);
     if (*i == (size_t)-1 && PyErr_Occurred()) return -1;
-    if (*i >= ddp_reducer_plan(self->r)->nparams) {
-        PyErr_Format(PyExc_IndexError, "parameter index %zu out of range", *i);
-        return -1;
-    }
-    return 0;
+    return index_in_range(self, *i);
 }
 
 static PyObject *reducer_mark_ready(ReducerObject *self, PyObject *arg) {
@@ -409,11 +412,7 @@ PyObject *ddp_py_reducer_ready(PyObject *reducer, size_t i, PyObject *owner, voi
     if (!PyObject_TypeCheck(reducer, ReducerType))
         return ddp_py_raise(DDP_ERR_TYPE, "not a pyddp._C.Reducer");
     ReducerObject *self = (ReducerObject *)reducer;
-    if (i >= ddp_reducer_plan(self->r)->nparams) {
-        PyErr_Format(PyExc_IndexError, "parameter index %zu out of range", i);
-        return NULL;
-    }
-    if (ready_checks(self) < 0) return NULL;
+    if (index_in_range(self, i) < 0 || ready_checks(self) < 0) return NULL;
     if (dtype < 0 || dtype >= DDP_DTYPE_COUNT || (ptr == NULL && count > 0))
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: invalid gradient buffer");
     ddp_py_array g;

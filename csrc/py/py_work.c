@@ -73,6 +73,8 @@ static void release_arrays(WorkObject *w) {
 static void work_finish(WorkObject *w) {
     if (w->finished == FIN_DONE) return;
     if (w->finished == FIN_BUSY) {
+        /* Bounded by the finisher's own section: a wait on a work already done
+         * and a drain of at most DRAIN_GRACE_MS. */
         while (w->finished == FIN_BUSY) {   /* read with the GIL held */
             Py_BEGIN_ALLOW_THREADS
             struct timespec ts = {0, 20000};
