@@ -17,6 +17,13 @@ How it works, without touching the hot path:
   up to about 2 s for the members' reports, and raises with a summary: which ranks had
   not arrived, the last collective each completed, and where each is now; a rank that
   does not answer is named as possibly dead or stopped.
+* Several ranks often time out on the same collective, each announcing its own
+  incident. A watcher answers the first and copies the same report to the others of
+  the same collective, so no incident waits for a second report to be made.
+* Each rank that read the reports says so (``ADD stuck/read/<tag>/<seq>``). The rank
+  whose process hosts the store (whose exit would take the reports with it) waits, up
+  to LINGER_S, until every rank that had reached the collective has read them before
+  it raises: a script that exits on the error cannot cut the others' reports short.
 """
 import json
 import os
@@ -30,6 +37,7 @@ from datetime import timedelta
 from . import _C
 
 REPORT_WAIT_S = 2.0
+LINGER_S = REPORT_WAIT_S + 3.0   # the store host's wait for the others to read the reports
 CONNECT_S = 30.0          # the watcher's store connections: time to connect
 _FRAMES_PER_THREAD = 12
 
@@ -108,12 +116,19 @@ def format_flight_record(entries):
 class Watcher:
     """The per-process watcher of one world group (see the module's docstring)."""
 
-    def __init__(self, group):
+    def __init__(self, group, torch_rendezvous=False):
+        """torch_rendezvous: group is torch's "pyddp" backend's, over the store torch's
+        rendezvous made (hosted by rank 0's process unless torchrun's agent hosts it)."""
         from .store import TCPStore
         st = group._store
         self.group = group
         self.rank = group._world_rank
         self.prefix = f"{group._prefix}/stall"
+        # This process hosts the store: pyddp's own server here, or torch's rendezvous
+        # (env://, tcp://) without torchrun's agent, where rank 0 hosts it.
+        self.hosts_store = getattr(st, "_server", None) is not None or (
+            torch_rendezvous and self.rank == 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
         self._stop = False
         host = st.host or "127.0.0.1"     # "" names a server this process hosts
         # Connect with time to spare: torch's TCPStore servers (torchrun's agent store)
@@ -141,7 +156,9 @@ class Watcher:
                 return
             try:
                 rep = self.report(info)
-                self._watch.set(f"{key}/report/{self.rank}", json.dumps(rep))
+                text = json.dumps(rep)
+                self._watch.set(f"{key}/report/{self.rank}", text)
+                i = self._answer_same(i, info, text)
                 # Several ranks may time out on the same collective: say it once.
                 if (info["tag"], info["seq"]) not in told:
                     told.add((info["tag"], info["seq"]))
@@ -153,6 +170,22 @@ class Watcher:
             except Exception:  # noqa: BLE001 - best effort: never disturb the job
                 pass
             i += 1
+
+    def _answer_same(self, i, info, text):
+        """Give the incidents announced after incident i for the same collective (other
+        ranks that timed out on it) the same report, without waiting for any not yet
+        written. Returns the last incident answered."""
+        n = self._watch.add(f"{self.prefix}/stuck_n", 0)
+        while i < n:
+            key = f"{self.prefix}/stuck/{i + 1}"
+            if not self._watch.check([key]):
+                break
+            nxt = _parse(self._watch.get(key).decode())
+            if (nxt["tag"], nxt["seq"]) != (info["tag"], info["seq"]):
+                break
+            self._watch.set(f"{key}/report/{self.rank}", text)
+            i += 1
+        return i
 
     def report(self, info):
         """This process's answer about incident info."""
@@ -197,7 +230,9 @@ def _parse(text):
 
 def explain(group, err):
     """The straggler summary for err, a failure of a collective on group, or None when
-    no rank of its world announced a timeout on this group."""
+    no rank of its world announced a timeout on this group. Waits at most REPORT_WAIT_S
+    for the members' reports; a member that announced a timeout of its own on the same
+    collective had reached it, so only the others' reports are waited for."""
     w = getattr(group, "_watcher", None)
     if w is None or group._pg is None:
         return None
@@ -212,18 +247,66 @@ def explain(group, err):
                 break
         if info is None:
             return first_failure(w, err)
+        announced, seen = set(), max(n - 4, 0)
         reports, deadline = {}, time.monotonic() + REPORT_WAIT_S
-        while len(reports) < len(group.ranks) and time.monotonic() < deadline:
+        while True:
+            seen = _announced(w, info, seen, announced)
             for r in group.ranks:
                 if r not in reports and w.reports.check([f"{key}/report/{r}"]):
                     reports[r] = json.loads(w.reports.get(f"{key}/report/{r}").decode())
-            if len(reports) < len(group.ranks):
-                time.sleep(0.05)
+            if all(r in reports or r in announced for r in group.ranks) \
+                    or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
     except Exception as e:  # noqa: BLE001 - the store is gone too: nothing to add
-        if os.environ.get("PYDDP_DEBUG_FORENSICS"):
-            print(f"pyddp: forensics failed: {e!r}", file=sys.stderr)
+        _debug(e)
         return None
-    return summarize(group, info, reports)
+    text = summarize(group, info, reports, announced)
+    _read_and_linger(w, info, reports, announced)
+    return text
+
+
+def _announced(w, info, seen, ranks):
+    """Add to ranks the ranks that announced a timeout of info's collective in the
+    incidents after number seen (only those already written); returns the last read."""
+    n = w.reports.add(f"{w.prefix}/stuck_n", 0)
+    while seen < n:
+        key = f"{w.prefix}/stuck/{seen + 1}"
+        if not w.reports.check([key]):
+            break
+        cand = _parse(w.reports.get(key).decode())
+        if (cand["tag"], cand["seq"]) == (info["tag"], info["seq"]):
+            ranks.add(cand["rank"])
+        seen += 1
+    return seen
+
+
+def _debug(e):
+    if _C.setting("PYDDP_DEBUG_FORENSICS"):
+        print(f"pyddp: forensics failed: {e!r}", file=sys.stderr)
+
+
+def _read_and_linger(w, info, reports, announced):
+    """Count this rank as having read the reports of info's collective; in the process
+    that hosts the store, wait (at most LINGER_S) until every rank that had reached the
+    collective has, so that this process exiting on its error does not close the store
+    while they still read. Best effort: a store that is gone ends the wait."""
+    key = f"{w.prefix}/stuck/read/{info['tag']:016x}/{info['seq']}"
+    arrived = len(announced | {r for r, rep in reports.items() if _arrived(rep, info["seq"])})
+    try:
+        n = w.reports.add(key, 1)
+        deadline = time.monotonic() + LINGER_S
+        while w.hosts_store and n < arrived and time.monotonic() < deadline:
+            time.sleep(0.02)
+            n = w.reports.add(key, 0)
+    except Exception as e:  # noqa: BLE001
+        _debug(e)
+
+
+def _arrived(rep, k):
+    """A member's report says it had called collective #k of the group."""
+    p = rep.get("progress")
+    return p is not None and p["submitted"] >= k
 
 
 FIRST_FAILURE_WAIT_S = 0.25
@@ -284,19 +367,24 @@ def first_failure(w, err):
     return f"The first failure in this job was on rank {first['rank']}: {first['what']}"
 
 
-def summarize(group, info, reports):
+def summarize(group, info, reports, announced=()):
+    """The report's text: reports maps a member to its watcher's report; announced holds
+    the members that announced a timeout of this collective (they had reached it)."""
     k = info["seq"]
     head = (f"Straggler report for collective #{k} on the group of ranks {group.ranks} "
             f"({info['what_short']}; rank {info['rank']} timed out waiting):")
     lines, arrived = [head], []
     for r in group.ranks:
         rep = reports.get(r)
+        if rep is None and r in announced:
+            arrived.append(r)
+            continue
         if rep is None:
             lines.append(f"  rank {r} did not answer within {REPORT_WAIT_S:.0f} s: its process "
                          f"is dead or stopped, or its host is unreachable")
             continue
         p = rep.get("progress")
-        if p is None or p["submitted"] < k:
+        if not _arrived(rep, k):
             done = p["completed"] if p else 0
             last = describe_entry(p["last_done"]) if p and p["last_done"] else "none"
             lines.append(f"  rank {r} has not arrived: it completed {done} collectives on "

@@ -302,11 +302,13 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
-    return _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr)
+    return _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
 
 
-def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr):
-    """Rendezvous a world Group (collective); backend "nccl" attaches NCCL at once."""
+def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
+                torch_rendezvous=False):
+    """Rendezvous a world Group (collective); backend "nccl" attaches NCCL at once.
+    torch_rendezvous: the group is torch's "pyddp" backend's (see _forensics.Watcher)."""
     lo, hi = _env.port_range()
     advertise = _env.advertise_address(master_addr)
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
@@ -316,7 +318,7 @@ def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr
     g._by_route = not os.environ.get("PYDDP_SOCKET_IFNAME") and bool(master_addr)
     if world_size > 1:
         try:
-            g._watcher = _forensics.Watcher(g)
+            g._watcher = _forensics.Watcher(g, torch_rendezvous)
         except _C.DistError as e:      # forensics are best effort; training is not
             log.warning("pyddp: rank %d: no straggler watcher (%s)", rank, e)
     _forensics.install_signal_dump()

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from launch import torchrun
+from launch import spawn_ranks, torchrun
 
 
 def errors(out):
@@ -36,6 +36,35 @@ def test_timeout_names_the_straggler(mode):
     if mode == "late":
         assert re.search(r"pyddp: rank 2: rank [01] timed out in all_reduce", out), out[-4000:]
     assert "flight record (oldest first)" in out and "all_reduce #7" in out, out[-4000:]
+
+
+def test_every_waiting_rank_gets_the_report_every_time():
+    """4 ranks on plain environment variables (rank 0's process hosts the store and exits
+    right after its own error), 16 MiB all-reduces, rank 2 late: every one of the three
+    waiting ranks gets the report, in each of 12 rounds run two at a time (8 processes
+    on this machine's cores, and the ranks time out within the same moment), so a miss
+    in one run of ten fails the test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(_):
+        return spawn_ranks("straggler.py", 4, args=["late", "16", "2"],
+                           env={"PYDDP_TIMEOUT": "4"}, timeout=90)
+
+    with ThreadPoolExecutor(2) as ex:
+        rounds = list(ex.map(one, range(12)))
+    for n, res in enumerate(rounds):
+        for r in (0, 1, 3):
+            errs = errors(res[r].output)
+            assert len(errs) == 1, f"round {n} rank {r}: {res[r].output[-3000:]}"
+            cls, msg = errs[0]
+            assert cls == "DistTimeoutError", msg
+            assert "Straggler report for collective #8 on the group of ranks [0, 1, 2, 3]" \
+                in msg, f"round {n} rank {r}: {msg}"
+            assert ("rank 2 has not arrived: it completed 7 collectives on this group; its "
+                    "last was all_reduce #7, 16.0 MiB of float64") in msg, msg
+            assert "ranks 0, 1, 3 had reached it" in msg, msg
+            assert re.search(r"its Python code is at \S*straggler\.py:\d+ in load_batch",
+                             msg), msg
 
 
 def test_ddp_gradient_timeout_names_the_straggler():

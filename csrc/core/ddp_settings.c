@@ -91,6 +91,9 @@ static const ddp_setting_decl table[] = {
     {"PYDDP_DUMP_ON_SIGNAL", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1`: `SIGUSR1` prints this process's flight record (its last 64 collectives) on "
      "stderr, as `pyddp.dump_flight_record()` does"},
+    {"PYDDP_DEBUG_FORENSICS", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
+     "`1`: say on stderr why a straggler report or a first-failure note could not be "
+     "made (the store was gone, a request failed)"},
     {"PYDDP_DDP_GENERIC_PATH", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1` makes DistributedDataParallel use its generic bucket path (copies by the array "
      "library, all-reduce through the process group) instead of the C path, as it does for "

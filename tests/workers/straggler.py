@@ -1,9 +1,12 @@
 """Worker for tests/test_straggler.py: five all-reduces on every rank, then the last
-rank fails to join the sixth: with argv[1] == "late" it sits in load_batch() (alive, its
-Python code elsewhere); with "stopped" it stops itself with SIGSTOP (alive to TCP but
-unable to answer). The other ranks' collective times out (PYDDP_TIMEOUT is short) and
+rank (or the rank argv[3] names) fails to join the sixth: with argv[1] == "late" it sits
+in load_batch() (alive, its Python code elsewhere); with "stopped" it stops itself with
+SIGSTOP (alive to TCP but unable to answer). argv[2], if given, is the all-reduce's size
+in MiB (default 4). The other ranks' collective times out (PYDDP_TIMEOUT is short) and
 must explain who had not arrived. Each waiting rank prints "ERROR <class>" and its
-message, then "END"."""
+message, then "END", and exits at once (rank 0 first kills the straggler): under plain
+environment variables rank 0's process hosts the store, so the others' reports must not
+depend on it staying up."""
 import os
 import signal
 import sys
@@ -25,10 +28,12 @@ def main():
     dist.all_gather_object(pids, os.getpid())
     if sys.argv[1] == "ddp":
         return ddp_case(ws, me, pids)
-    x = np.ones(4 << 20 >> 3)     # 4 MiB of float64
+    mib = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    late = int(sys.argv[3]) if len(sys.argv) > 3 else ws - 1
+    x = np.ones(mib << 20 >> 3)     # float64
     for _ in range(5):
         dist.all_reduce(x)
-    if me == ws - 1:
+    if me == late:
         print("STRAGGLING", flush=True)
         if sys.argv[1] == "stopped":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -41,7 +46,7 @@ def main():
         print(f"ERROR {type(e).__name__}\n{e}\nEND", flush=True)
     if me == 0:
         time.sleep(0.5)
-        os.kill(pids[-1], signal.SIGKILL)    # the straggler would never exit by itself
+        os.kill(pids[late], signal.SIGKILL)    # the straggler would never exit by itself
     os._exit(0)
 
 
