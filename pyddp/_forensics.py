@@ -144,7 +144,7 @@ class Watcher:
         self._thread.start()
 
     def _run(self):
-        i, told = 1, set()
+        i, told, dumped = 1, set(), set()
         while not self._stop:
             key = f"{self.prefix}/stuck/{i}"
             try:
@@ -158,15 +158,18 @@ class Watcher:
                 rep = self.report(info)
                 text = json.dumps(rep)
                 self._watch.set(f"{key}/report/{self.rank}", text)
-                i = self._answer_same(i, info, text)
-                # Several ranks may time out on the same collective: say it once.
-                if (info["tag"], info["seq"]) not in told:
-                    told.add((info["tag"], info["seq"]))
+                i, announcers = self._answer_same(i, info, text)
+                # Several ranks may time out on the same collective: say it once, and
+                # dump the flight record once if this rank is one of them.
+                what = (info["tag"], info["seq"])
+                if what not in told:
+                    told.add(what)
                     print(f"pyddp: rank {self.rank}: rank {info['rank']} timed out in "
                           f"{info['what_short']} (collective #{info['seq']} of its group); "
                           f"this rank's state:\n{self.text(rep)}", file=sys.stderr, flush=True)
-                    if info["rank"] == self.rank:
-                        dump_flight_record(group=self.group)
+                if self.rank in announcers and what not in dumped:
+                    dumped.add(what)
+                    dump_flight_record(group=self.group)
             except Exception:  # noqa: BLE001 - best effort: never disturb the job
                 pass
             i += 1
@@ -174,18 +177,15 @@ class Watcher:
     def _answer_same(self, i, info, text):
         """Give the incidents announced after incident i for the same collective (other
         ranks that timed out on it) the same report, without waiting for any not yet
-        written. Returns the last incident answered."""
-        n = self._watch.add(f"{self.prefix}/stuck_n", 0)
-        while i < n:
-            key = f"{self.prefix}/stuck/{i + 1}"
-            if not self._watch.check([key]):
-                break
-            nxt = _parse(self._watch.get(key).decode())
+        written. Returns the last incident answered and the ranks that announced them."""
+        announcers = {info["rank"]}
+        for j, key, nxt in _incidents_after(self._watch, self.prefix, i):
             if (nxt["tag"], nxt["seq"]) != (info["tag"], info["seq"]):
                 break
             self._watch.set(f"{key}/report/{self.rank}", text)
-            i += 1
-        return i
+            announcers.add(nxt["rank"])
+            i = j
+        return i, announcers
 
     def report(self, info):
         """This process's answer about incident info."""
@@ -269,16 +269,22 @@ def explain(group, err):
 def _announced(w, info, seen, ranks):
     """Add to ranks the ranks that announced a timeout of info's collective in the
     incidents after number seen (only those already written); returns the last read."""
-    n = w.reports.add(f"{w.prefix}/stuck_n", 0)
-    while seen < n:
-        key = f"{w.prefix}/stuck/{seen + 1}"
-        if not w.reports.check([key]):
-            break
-        cand = _parse(w.reports.get(key).decode())
+    for j, _key, cand in _incidents_after(w.reports, w.prefix, seen):
         if (cand["tag"], cand["seq"]) == (info["tag"], info["seq"]):
             ranks.add(cand["rank"])
-        seen += 1
+        seen = j
     return seen
+
+
+def _incidents_after(store, prefix, i):
+    """(number, key, parsed record) of each incident announced after number i, in order,
+    stopping at the first one not written yet (its announcer is between ADD and SET)."""
+    n = store.add(f"{prefix}/stuck_n", 0)
+    for j in range(i + 1, n + 1):
+        key = f"{prefix}/stuck/{j}"
+        if not store.check([key]):
+            return
+        yield j, key, _parse(store.get(key).decode())
 
 
 def _debug(e):
