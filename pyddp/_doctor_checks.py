@@ -199,9 +199,13 @@ def _shm_findings(f, nproc):
 def _nccl_findings(f, backend):
     n = f["nccl"]
     if "error" in n:
+        found = f"NCCL {n['version']} ({n['path']}) loads, but " if "version" in n else ""
         if backend == "nccl":
             return [("FAIL", "NCCL", f"backend nccl needs NCCL and the CUDA runtime: "
-                     f"{n['error']}")]
+                     f"{found}{n['error']}")]
+        if found:
+            return [("info", "NCCL", f"NCCL {n['version']} ({n['path']}), CUDA runtime not "
+                     f"found (backend {backend} does not need them)")]
         return [("info", "NCCL", f"not found (backend {backend} does not need it)")]
     desc = (f"NCCL {n['version']} ({n['path']}), CUDA runtime {n['cudart']} "
             f"({n['cudart_path']}), {n['devices']} GPU(s)")

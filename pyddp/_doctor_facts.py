@@ -203,11 +203,18 @@ def single_copy(timeout):
 
 
 def nccl():
-    """NCCL and the CUDA runtime as _nccl_backend.load() finds them (error: why not)."""
+    """NCCL and the CUDA runtime as _nccl_backend.load() finds them. When they do not
+    load, error says why, and version and path are still there if NCCL alone loads (the
+    CUDA runtime is what is missing)."""
     try:
         i = _nccl_backend.load()
     except _C.BackendUnavailableError as e:
-        return {"error": str(e)}
+        out = {"error": str(e)}
+        try:
+            p = _nccl_backend.probe_nccl()
+        except _C.BackendUnavailableError:
+            return out
+        return dict(out, version=p["nccl_version"], path=p["nccl_path"])
     cv = i["cudart_version"]
     return {"version": i["nccl_version"], "path": i["nccl_path"], "cudart_path": i["cudart_path"],
             "cudart": f"{cv // 1000}.{cv % 1000 // 10}" if cv else "?",

@@ -15,7 +15,8 @@ needed. This module builds the list of places to look, in order:
 
 A library that this process already loaded (torch's NCCL, say) is preferred unless
 ``PYDDP_NCCL_LIBRARY`` is set. When nothing works, the error lists every path tried and
-why it was refused. torch and CuPy are never imported here unless the caller's arrays
+why it was refused. probe_nccl() runs the NCCL half of the search alone (NCCL loads
+without a driver or a CUDA runtime), for the doctor on machines without either. torch and CuPy are never imported here unless the caller's arrays
 already come from them.
 """
 import fnmatch
@@ -138,6 +139,12 @@ def cudart_candidates():
     return _dedupe(cands)
 
 
+def _prefer_loaded():
+    """Whether an NCCL this process already loaded beats the search order: unless
+    PYDDP_NCCL_LIBRARY names one."""
+    return not os.environ.get("PYDDP_NCCL_LIBRARY")
+
+
 def load():
     """Load NCCL and the CUDA runtime (once per process) and describe them: a dict with
     nccl_path, nccl_version, cudart_path, cudart_version, driver_version, device_count and
@@ -146,7 +153,7 @@ def load():
     if _info is not None:
         return _info
     env = os.environ.get("PYDDP_NCCL_LIBRARY")
-    info = _C.nccl_load(nccl_candidates(), cudart_candidates(), not env)
+    info = _C.nccl_load(nccl_candidates(), cudart_candidates(), _prefer_loaded())
     want = _env_library("PYDDP_NCCL_LIBRARY", "libnccl.so.2")
     if want and os.path.realpath(want[0][0]) != os.path.realpath(info["nccl_path"]):
         warnings.warn(f"pyddp: PYDDP_NCCL_LIBRARY={env} could not be loaded; using "
@@ -154,6 +161,16 @@ def load():
                       RuntimeWarning, stacklevel=2)
     _info = info
     return info
+
+
+def probe_nccl():
+    """The NCCL that load() takes, found the same way and checked (every symbol pyddp
+    uses, ncclGetVersion, 2.14 or newer) without the CUDA runtime, and not kept loaded:
+    a dict with nccl_path, nccl_version ("2.32.3") and nccl_version_code. Raises
+    BackendUnavailableError listing every path tried, as load() does."""
+    if _info is not None:
+        return {k: _info[k] for k in ("nccl_path", "nccl_version", "nccl_version_code")}
+    return _C.nccl_probe(nccl_candidates(), _prefer_loaded())
 
 
 def usable():

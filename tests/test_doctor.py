@@ -7,7 +7,6 @@ versions the test process itself sees, the layout the test launched, and for the
 measurement that its rows parse as positive times. Every process runs under
 tests/launch.py (or a Popen killed in a finally) with a timeout.
 """
-import ctypes.util
 import os
 import platform
 import re
@@ -18,10 +17,10 @@ import numpy as np
 import pytest
 
 import pyddp
-from pyddp import _nccl_backend
 from launch import PY, ROOT, free_port, kill_group, run, spawn_ranks, torchrun
 from netns import NetnsUnavailable, exec_prefix, two_hosts
 from test_nccl_nogpu import fakes  # noqa: F401  (the compiled fake NCCL/CUDA fixture)
+from test_nccl_real import NO_CUDART, nccl_wheel  # noqa: F401  (the installed NCCL wheel)
 
 DOCTOR = [PY, "-m", "pyddp.doctor"]
 ALONE = {"RANK": "", "WORLD_SIZE": "", "MASTER_ADDR": "", "MASTER_PORT": ""}
@@ -130,16 +129,61 @@ def test_listen_on_the_master_sees_the_visitor():
     assert "reached by" in out and "1 node reached it" in out, seen + out
 
 
+def doctor_searching(nccl=None, cudart=None, args=()):
+    """`python -m pyddp.doctor` alone; with pyddp's search for NCCL or the CUDA runtime
+    replaced by these (path, origin) lists where given (what is installed here then
+    stays unseen)."""
+    env = dict(ALONE, PYDDP_NCCL_LIBRARY="", PYDDP_CUDART_LIBRARY="")
+    if nccl is None and cudart is None:
+        return run(DOCTOR + list(args), env=env, timeout=60)
+    code = "import sys; import pyddp._nccl_backend as nb; "
+    for what, cands in (("nccl", nccl), ("cudart", cudart)):
+        if cands is not None:
+            code += f"nb.{what}_candidates = lambda: {[tuple(c) for c in cands]!r}; "
+    code += "import pyddp.doctor as d; sys.exit(d.main(sys.argv[1:]))"
+    return run([PY, "-c", code, *args], env=env, timeout=60)
+
+
 def test_backend_nccl_needs_nccl():
-    have = any(os.path.exists(p) for p, _ in _nccl_backend.nccl_candidates() if os.sep in p)
-    if have or ctypes.util.find_library("nccl"):
-        pytest.skip("a real NCCL is installed here")
-    r = run(DOCTOR + ["--backend", "nccl"], env=ALONE, timeout=30)
+    none = [("/nonexistent/pyddp-test/libnccl.so.2", "test")]
+    r = doctor_searching(nccl=none, args=["--backend", "nccl"])
     assert r.returncode == 1, r.output
     text = finding(r.stdout, "FAIL", "NCCL")
     assert text and "PYDDP_NCCL_LIBRARY" in text and "nvidia-nccl-cu12" in text, r.stdout
-    r = run(DOCTOR, env=ALONE, timeout=30)            # backend cpu: only information
-    assert r.returncode == 0 and finding(r.stdout, "info", "NCCL"), r.output
+    assert "/nonexistent/pyddp-test/libnccl.so.2 (test)" in text, text
+    r = doctor_searching(nccl=none)                    # backend cpu: only information
+    assert r.returncode == 0, r.output
+    assert finding(r.stdout, "info", "NCCL") == "not found (backend cpu does not need it)"
+
+
+@pytest.mark.parametrize("hide_cudart", [False, True], ids=["as-installed", "no-cudart"])
+def test_real_nccl_version_reported(nccl_wheel, hide_cudart):  # noqa: F811
+    """The NCCL wheel's version and library, found by the default search, with or
+    without a CUDA runtime (none: CI); --backend nccl fails without a GPU."""
+    cudart = NO_CUDART if hide_cudart else None
+
+    def reported(text, form):
+        m = re.match(form, text or "")
+        assert m, text
+        assert m.group(1) == nccl_wheel["header_version"], text
+        assert os.path.realpath(m.group(2)) == nccl_wheel["lib"], text
+    r = doctor_searching(cudart=cudart)
+    text = finding(r.stdout, "info", "NCCL")
+    assert r.returncode == 0, r.output
+    reported(text, r"NCCL (\S+) \((.+?)\), CUDA runtime ")
+    if hide_cudart:
+        assert text.endswith("CUDA runtime not found (backend cpu does not need them)"), text
+    r = doctor_searching(cudart=cudart, args=["--backend", "nccl"])
+    text = finding(r.stdout, "FAIL", "NCCL")
+    if text is None and finding(r.stdout, "ok", "NCCL"):
+        pytest.skip("a GPU is visible here: --backend nccl passes")
+    assert r.returncode == 1 and text, r.output
+    if "no GPU is usable" in text:
+        assert not hide_cudart, text
+        reported(text, r"NCCL (\S+) \((.+?)\), CUDA runtime ")
+    else:
+        reported(text, r"backend nccl needs NCCL and the CUDA runtime: NCCL (\S+) \((.+?)\) "
+                       r"loads, but could not load the CUDA runtime \(")
 
 
 def test_nccl_versions_reported(fakes):  # noqa: F811

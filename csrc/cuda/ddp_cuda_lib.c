@@ -6,7 +6,10 @@
  * backend="nccl" fails sees every place that was searched. A candidate is
  * refused when dlopen fails, when a required symbol is missing (the file is
  * not NCCL / not the CUDA runtime), when NCCL is older than 2.14, or when
- * the CUDA runtime is newer than the driver supports.
+ * the CUDA runtime is newer than the driver supports. ddp_nccl_probe runs
+ * the NCCL half alone and keeps nothing: NCCL loads without a driver or a
+ * CUDA runtime (the nvidia-nccl wheel's libnccl.so.2 needs only the C and
+ * C++ runtime libraries) and ncclGetVersion touches no GPU.
  */
 #include "ddp_cuda_lib.h"
 
@@ -38,6 +41,8 @@ typedef struct report {
     size_t len;
     int n;
 } report;
+
+static report g_report;            /* large: static; only touched under g_mu */
 
 static void report_add(report *r, const ddp_lib_candidate *c, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -91,8 +96,8 @@ static void *open_candidate(const ddp_lib_candidate *c, int flags, report *r) {
 }
 
 /* Try one NCCL candidate; on success fills the NCCL half of api and info. */
-static int try_nccl(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, report *r,
-                    void **handle) {
+static int try_nccl(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api,
+                    ddp_cuda_info *info, report *r, void **handle) {
     void *h = open_candidate(c, flags, r);
     if (h == NULL) return 0;
     const char *missing = resolve(h, NCCL_SYMS, sizeof NCCL_SYMS / sizeof NCCL_SYMS[0], api);
@@ -109,8 +114,8 @@ static int try_nccl(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, re
         report_add(r, c, "NCCL %s is too old; pyddp needs NCCL 2.14 or newer",
                    ddp_nccl_version_str(version, v, sizeof v));
     } else {
-        real_path(h, "ncclGetVersion", c->path, g_info.nccl_path, sizeof g_info.nccl_path);
-        g_info.nccl_version = version;
+        real_path(h, "ncclGetVersion", c->path, info->nccl_path, sizeof info->nccl_path);
+        info->nccl_version = version;
         *handle = h;
         return 1;
     }
@@ -120,8 +125,8 @@ static int try_nccl(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, re
 
 /* Try one CUDA runtime candidate; on success fills the runtime half of api
  * and info (device count included). */
-static int try_cudart(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, report *r,
-                      void **handle) {
+static int try_cudart(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api,
+                      ddp_cuda_info *info, report *r, void **handle) {
     void *h = open_candidate(c, flags, r);
     if (h == NULL) return 0;
     const char *missing = resolve(h, CUDART_SYMS, sizeof CUDART_SYMS / sizeof CUDART_SYMS[0], api);
@@ -141,20 +146,20 @@ static int try_cudart(const ddp_lib_candidate *c, int flags, ddp_cuda_api *api, 
         dlclose(h);
         return 0;
     }
-    g_info.device_error[0] = 0;
+    info->device_error[0] = 0;
     if (e != DDP_CU_SUCCESS) {
         n = 0;
-        snprintf(g_info.device_error, sizeof g_info.device_error,
+        snprintf(info->device_error, sizeof info->device_error,
                  "cudaGetDeviceCount failed: %s (error %d)%s", api->cudaGetErrorString(e), e,
                  drv == 0 ? "; no NVIDIA driver was found" : "");
     } else if (n == 0) {
-        snprintf(g_info.device_error, sizeof g_info.device_error,
+        snprintf(info->device_error, sizeof info->device_error,
                  "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and nvidia-smi)");
     }
-    real_path(h, "cudaGetDeviceCount", c->path, g_info.cudart_path, sizeof g_info.cudart_path);
-    g_info.cudart_version = rt;
-    g_info.driver_version = drv;
-    g_info.device_count = n;
+    real_path(h, "cudaGetDeviceCount", c->path, info->cudart_path, sizeof info->cudart_path);
+    info->cudart_version = rt;
+    info->driver_version = drv;
+    info->device_count = n;
     *handle = h;
     return 1;
 }
@@ -167,19 +172,34 @@ static ddp_status none_worked(const char *what, const report *r, const char *hin
                      r->len >= sizeof r->text - 1 ? " ..." : "", hint);
 }
 
-typedef int (*try_fn)(const ddp_lib_candidate *, int, ddp_cuda_api *, report *, void **);
+typedef int (*try_fn)(const ddp_lib_candidate *, int, ddp_cuda_api *, ddp_cuda_info *,
+                      report *, void **);
 
 /* First candidate that try() accepts: already-loaded ones first when
  * prefer_loaded, then in order. Returns its handle or NULL. */
 static void *pick(const ddp_lib_candidate *cands, size_t n, int prefer_loaded, try_fn try,
-                  ddp_cuda_api *api, report *r) {
+                  ddp_cuda_api *api, ddp_cuda_info *info, report *r) {
     void *h = NULL;
     if (prefer_loaded)
         for (size_t i = 0; i < n; i++)
-            if (try(&cands[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD, api, r, &h)) return h;
+            if (try(&cands[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD, api, info, r, &h)) return h;
     for (size_t i = 0; i < n; i++)
-        if (try(&cands[i], RTLD_NOW | RTLD_LOCAL, api, r, &h)) return h;
+        if (try(&cands[i], RTLD_NOW | RTLD_LOCAL, api, info, r, &h)) return h;
     return NULL;
+}
+
+/* The NCCL half (g_mu held): the handle of the first NCCL candidate that
+ * works, its table entries in api and its description in info; NULL with
+ * *st set to the error listing every refusal. */
+static void *pick_nccl(const ddp_lib_candidate *nccl, size_t n_nccl, int prefer_loaded,
+                       ddp_cuda_api *api, ddp_cuda_info *info, ddp_status *st) {
+    memset(&g_report, 0, sizeof g_report);
+    void *h = pick(nccl, n_nccl, prefer_loaded, try_nccl, api, info, &g_report);
+    if (h == NULL)
+        *st = none_worked("NCCL (libnccl.so.2)", &g_report, "Install it with `pip install "
+                          "nvidia-nccl-cu12` (or nvidia-nccl-cu13 for CUDA 13), or set "
+                          "PYDDP_NCCL_LIBRARY to the path of libnccl.so.2.");
+    return h;
 }
 
 ddp_status ddp_cuda_load(const ddp_lib_candidate *nccl, size_t n_nccl,
@@ -193,28 +213,42 @@ ddp_status ddp_cuda_load(const ddp_lib_candidate *nccl, size_t n_nccl,
     }
     ddp_cuda_api api;
     memset(&api, 0, sizeof api);
-    static report r;     /* large; only touched under g_mu */
-    memset(&r, 0, sizeof r);
+    static ddp_cuda_info got;   /* large; only touched under g_mu */
+    memset(&got, 0, sizeof got);
     ddp_status st = DDP_OK;
-    void *hn = pick(nccl, n_nccl, prefer_loaded, try_nccl, &api, &r);
-    if (hn == NULL) {
-        st = none_worked("NCCL (libnccl.so.2)", &r, "Install it with `pip install "
-                         "nvidia-nccl-cu12` (or nvidia-nccl-cu13 for CUDA 13), or set "
-                         "PYDDP_NCCL_LIBRARY to the path of libnccl.so.2.");
-    } else {
-        memset(&r, 0, sizeof r);
-        if (pick(cudart, n_cudart, prefer_loaded, try_cudart, &api, &r) == NULL) {
+    void *hn = pick_nccl(nccl, n_nccl, prefer_loaded, &api, &got, &st);
+    if (hn != NULL) {
+        memset(&g_report, 0, sizeof g_report);
+        if (pick(cudart, n_cudart, prefer_loaded, try_cudart, &api, &got, &g_report) == NULL) {
             dlclose(hn);
-            st = none_worked("the CUDA runtime (libcudart.so.13 or .12)", &r, "Install it with "
-                             "`pip install nvidia-cuda-runtime-cu12` (or nvidia-cuda-runtime for "
-                             "CUDA 13), or put the CUDA toolkit's lib64 folder on "
-                             "LD_LIBRARY_PATH.");
+            st = none_worked("the CUDA runtime (libcudart.so.13 or .12)", &g_report,
+                             "Install it with `pip install nvidia-cuda-runtime-cu12` (or "
+                             "nvidia-cuda-runtime for CUDA 13), or put the CUDA toolkit's lib64 "
+                             "folder on LD_LIBRARY_PATH.");
         } else {
             g_api = api;
+            g_info = got;
             g_loaded = 1;
             __atomic_store_n(&g_published, &g_api, __ATOMIC_RELEASE);
             if (info) *info = g_info;
         }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return st;
+}
+
+ddp_status ddp_nccl_probe(const ddp_lib_candidate *nccl, size_t n_nccl, int prefer_loaded,
+                          ddp_cuda_info *info) {
+    pthread_mutex_lock(&g_mu);
+    ddp_status st = DDP_OK;
+    if (g_loaded) {
+        *info = g_info;
+    } else {
+        ddp_cuda_api api;          /* resolved, then dropped with the handle */
+        memset(&api, 0, sizeof api);
+        memset(info, 0, sizeof *info);
+        void *h = pick_nccl(nccl, n_nccl, prefer_loaded, &api, info, &st);
+        if (h != NULL) dlclose(h);
     }
     pthread_mutex_unlock(&g_mu);
     return st;

@@ -3,7 +3,8 @@
  * pyddp builds with neither CUDA nor NCCL present, so this header declares
  * the few types, constants and entry points pyddp uses itself, from the
  * public APIs (cuda_runtime_api.h, nccl.h). The values used here are part of
- * those libraries' stable ABI (CUDA 11 to 13, NCCL 2.14 and later).
+ * those libraries' stable ABI (CUDA 11 to 13, NCCL 2.14 and later);
+ * tests/test_nccl_real.py compiles the tables below against the real headers.
  *
  * ddp_cuda_load tries candidate files in the caller's order (the Python layer
  * knows where the nvidia-* wheels live; C cannot) and keeps, for each
@@ -168,6 +169,17 @@ typedef struct ddp_cuda_info {
 ddp_status ddp_cuda_load(const ddp_lib_candidate *nccl, size_t n_nccl,
                          const ddp_lib_candidate *cudart, size_t n_cudart,
                          int prefer_loaded, ddp_cuda_info *info);
+
+/* The NCCL that ddp_cuda_load would take from these candidates, found,
+ * checked (every symbol of DDP_NCCL_FUNCS, version 2.14 or newer) and
+ * closed again (dlclose): *info gets nccl_path and nccl_version, the rest
+ * zero. It needs neither the CUDA runtime nor a driver, so it also
+ * describes NCCL on machines where ddp_cuda_load fails for want of them.
+ * Thread-safe (the loader's lock). After a successful
+ * ddp_cuda_load it describes what is loaded (all of *info). On failure
+ * returns DDP_ERR_UNAVAILABLE with ddp_cuda_load's message for NCCL. */
+ddp_status ddp_nccl_probe(const ddp_lib_candidate *nccl, size_t n_nccl, int prefer_loaded,
+                          ddp_cuda_info *info);
 
 /* The loaded table, or NULL before a successful ddp_cuda_load. */
 const ddp_cuda_api *ddp_cuda_api_get(void);

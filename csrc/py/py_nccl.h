@@ -8,7 +8,7 @@
 #include "ddp_pg.h"
 #include "py_array.h"
 
-/* Add nccl_load() and nccl_tables() to the module; 0, or -1 with an
+/* Add nccl_load(), nccl_probe() and nccl_tables() to the module; 0, or -1 with an
  * exception set. Called by ddp_py_nccl_register. */
 int ddp_py_nccl_lib_register(PyObject *m);
 

@@ -4,6 +4,9 @@
  *     load NCCL and the CUDA runtime from (path, origin) candidates, in
  *     order (pyddp/_nccl_backend.py builds the lists); BackendUnavailableError
  *     listing every candidate and why it was refused;
+ *   nccl_probe(nccl_candidates, prefer_loaded=True) -> dict
+ *     the NCCL that nccl_load would take (path, version), checked without
+ *     the CUDA runtime and not kept loaded; the same error when none works;
  *   nccl_tables() -> dict
  *     the NCCL data type of each dtype and the NCCL op of each (dtype, op),
  *     so that tests can check them against nccl.h.
@@ -16,9 +19,11 @@
 /* ---- loader ------------------------------------------------------------- */
 
 /* Turn a sequence of (path, origin) pairs into candidates; the strings stay
- * owned by the (kept) sequence items. */
-static ddp_lib_candidate *candidates(PyObject *seq, const char *name, Py_ssize_t *n) {
-    PyObject *fast = PySequence_Fast(seq, "nccl_load: candidates must be a sequence");
+ * owned by the (kept) sequence items. fn and name (the caller's function and
+ * argument) are for messages. */
+static ddp_lib_candidate *candidates(PyObject *seq, const char *fn, const char *name,
+                                     Py_ssize_t *n) {
+    PyObject *fast = PySequence_Fast(seq, "candidates must be a sequence");
     if (fast == NULL) return NULL;
     *n = PySequence_Fast_GET_SIZE(fast);
     ddp_lib_candidate *c = PyMem_Calloc((size_t)*n + 1, sizeof *c);
@@ -30,7 +35,7 @@ static ddp_lib_candidate *candidates(PyObject *seq, const char *name, Py_ssize_t
         int ok = pair && PyArg_ParseTuple(pair, "ss", &c[i].path, &c[i].origin);
         Py_XDECREF(pair);
         if (!ok) {
-            PyErr_Format(PyExc_TypeError, "nccl_load: %s[%zd] must be a (path, origin) pair",
+            PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a (path, origin) pair", fn,
                          name, i);
             PyMem_Free(c);
             c = NULL;
@@ -41,24 +46,30 @@ static ddp_lib_candidate *candidates(PyObject *seq, const char *name, Py_ssize_t
     return c;
 }
 
-static PyObject *info_dict(const ddp_cuda_info *i) {
+/* What was loaded as a dict: the NCCL keys, and the CUDA runtime's when
+ * with_cudart. */
+static PyObject *info_dict(const ddp_cuda_info *i, int with_cudart) {
     char v[32];
-    return Py_BuildValue("{s:s,s:s,s:i,s:s,s:i,s:i,s:i,s:s}", "nccl_path", i->nccl_path,
-                         "nccl_version", ddp_nccl_version_str(i->nccl_version, v, sizeof v),
-                         "nccl_version_code", i->nccl_version, "cudart_path", i->cudart_path,
-                         "cudart_version", i->cudart_version, "driver_version",
-                         i->driver_version, "device_count", i->device_count, "device_error",
-                         i->device_error);
+    PyObject *d = Py_BuildValue("{s:s,s:s,s:i}", "nccl_path", i->nccl_path, "nccl_version",
+                                ddp_nccl_version_str(i->nccl_version, v, sizeof v),
+                                "nccl_version_code", i->nccl_version);
+    if (d == NULL || !with_cudart) return d;
+    PyObject *rt = Py_BuildValue("{s:s,s:i,s:i,s:i,s:s}", "cudart_path", i->cudart_path,
+                                 "cudart_version", i->cudart_version, "driver_version",
+                                 i->driver_version, "device_count", i->device_count,
+                                 "device_error", i->device_error);
+    if (rt == NULL || PyDict_Update(d, rt) < 0) Py_CLEAR(d);
+    Py_XDECREF(rt);
+    return d;
 }
 
-static PyObject *py_nccl_load(PyObject *m, PyObject *args) {
-    PyObject *ns, *cs;
-    int prefer_loaded = 1;
-    if (!PyArg_ParseTuple(args, "OO|p", &ns, &cs, &prefer_loaded)) return NULL;
+/* nccl_load (cs: the CUDA runtime candidates) or nccl_probe (cs NULL): the
+ * loader called without the GIL; its description, or the exception. */
+static PyObject *load_or_probe(const char *fn, PyObject *ns, PyObject *cs, int prefer_loaded) {
     Py_ssize_t nn = 0, nc = 0;
-    ddp_lib_candidate *n = candidates(ns, "nccl", &nn);
-    ddp_lib_candidate *c = n ? candidates(cs, "cudart", &nc) : NULL;
-    if (c == NULL) {
+    ddp_lib_candidate *n = candidates(ns, fn, "nccl", &nn);
+    ddp_lib_candidate *c = n && cs ? candidates(cs, fn, "cudart", &nc) : NULL;
+    if (n == NULL || (cs && c == NULL)) {
         PyMem_Free(n);
         return NULL;
     }
@@ -66,13 +77,28 @@ static PyObject *py_nccl_load(PyObject *m, PyObject *args) {
     ddp_status st;
     char msg[8192];
     Py_BEGIN_ALLOW_THREADS
-    st = ddp_cuda_load(n, (size_t)nn, c, (size_t)nc, prefer_loaded, &info);
+    st = cs ? ddp_cuda_load(n, (size_t)nn, c, (size_t)nc, prefer_loaded, &info)
+            : ddp_nccl_probe(n, (size_t)nn, prefer_loaded, &info);
     if (st != DDP_OK) ddp_copy_error(msg, sizeof msg);
     Py_END_ALLOW_THREADS
     PyMem_Free(n);
     PyMem_Free(c);
     if (st != DDP_OK) return ddp_py_raise(st, msg);
-    return info_dict(&info);
+    return info_dict(&info, cs != NULL);
+}
+
+static PyObject *py_nccl_load(PyObject *m, PyObject *args) {
+    PyObject *ns, *cs;
+    int prefer_loaded = 1;
+    if (!PyArg_ParseTuple(args, "OO|p", &ns, &cs, &prefer_loaded)) return NULL;
+    return load_or_probe("nccl_load", ns, cs, prefer_loaded);
+}
+
+static PyObject *py_nccl_probe(PyObject *m, PyObject *args) {
+    PyObject *ns;
+    int prefer_loaded = 1;
+    if (!PyArg_ParseTuple(args, "O|p", &ns, &prefer_loaded)) return NULL;
+    return load_or_probe("nccl_probe", ns, NULL, prefer_loaded);
 }
 
 /* {"dtypes": {name: ncclDataType_t}, "ops": {(dtype, op): ncclRedOp_t or None}} */
@@ -106,6 +132,9 @@ static PyMethodDef nccl_functions[] = {
     {"nccl_load", py_nccl_load, METH_VARARGS,
      "nccl_load(nccl_candidates, cudart_candidates, prefer_loaded=True) -> dict\n"
      "Load NCCL and the CUDA runtime from (path, origin) candidates, in order."},
+    {"nccl_probe", py_nccl_probe, METH_VARARGS,
+     "nccl_probe(nccl_candidates, prefer_loaded=True) -> dict\n"
+     "The NCCL that nccl_load would take (path, version), checked and not kept loaded."},
     {"nccl_tables", py_nccl_tables, METH_NOARGS,
      "The NCCL data type of each dtype and the NCCL op of each (dtype, op)."},
     {NULL}
