@@ -525,13 +525,23 @@ def settle(pid, seconds=3.0):
 
 def test_burst_served_while_stalled_clients_hold_the_budget():
     """40 connections stall part-way through 60 MiB values, holding the default 256 MiB
-    budget for incomplete requests; another client then sends 50,000 small SETs in one
-    burst (a large job's rendezvous). Every SET is served, the burst's connection stays
-    up, torch's and pyddp's clients still work, and the server stays under 1 GiB."""
+    budget for incomplete requests, and more keep arriving (each evicting a stalled one,
+    as a client that reconnects after its eviction would); another client then sends
+    50,000 small SETs in one burst (a large job's rendezvous). Every SET is served, the
+    burst's connection stays up, torch's and pyddp's clients still work, and the server
+    stays under 1 GiB."""
     p, port = launch.store_server()
     hostile, burst = [], None
+    stop = threading.Event()
+
+    def keep_coming():                    # 40 more, while the burst is served
+        for _ in range(40):
+            if stop.is_set():
+                return
+            hostile.append(stall_large(port, 60 << 20, 7 << 20))
+    churn = threading.Thread(target=keep_coming, daemon=True)
     try:
-        hostile = [stall_large(port, 60 << 20, 7 << 20) for _ in range(40)]
+        hostile.extend(stall_large(port, 60 << 20, 7 << 20) for _ in range(40))
         settle(p.pid)
         held = launch.proc_status_mib(p.pid)
         assert held > 200, held           # the budget really is held
@@ -539,6 +549,7 @@ def test_burst_served_while_stalled_clients_hold_the_budget():
         keys = [f"/burst/{i}".encode() for i in range(n)]
         burst = raw(port)
         burst.settimeout(20)
+        churn.start()
         t0 = time.monotonic()
         burst.sendall(b"".join(bytes([1]) + wire_str(k) + wire_str(b"v%d" % i)
                                for i, k in enumerate(keys)))
@@ -553,6 +564,8 @@ def test_burst_served_while_stalled_clients_hold_the_budget():
             size = struct.unpack("<Q", recv_exact(burst, 8))[0]
             assert recv_exact(burst, size) == b"v%d" % i
         sender.join(10)
+        churn.join(30)
+        assert not churn.is_alive()
         tc = td.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
         tc.set("torch", "ok")
         ours = TCPStore("127.0.0.1", port, timeout=T)
@@ -563,6 +576,9 @@ def test_burst_served_while_stalled_clients_hold_the_budget():
         assert peak < 1024, peak
         print(f"burst of {n} SETs served in {served_s:.2f} s; server peak RSS {peak:.0f} MiB")
     finally:
+        stop.set()
+        if churn.is_alive():
+            churn.join(30)
         for s in hostile + [burst]:
             if s is not None:
                 s.close()

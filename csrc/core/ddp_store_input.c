@@ -65,9 +65,10 @@ static int make_room(ddp_store_server *srv, const ddp_store_conn *keep, int is_l
     while (over(srv, is_large, extra)) {
         ddp_store_conn *v = victim(srv, keep, is_large);
         if (v == NULL) return -1;
-        char why[200];
+        char why[240];
         snprintf(why, sizeof why, "evicted with %zu bytes of an incomplete request, silent "
-                 "longest, when %s was used up", ddp_wbuf_size(&v->in), is_large ?
+                 "for %.1f s (the longest), when %s was used up", ddp_wbuf_size(&v->in),
+                 (double)(ddp_now_ms() - v->heard_ms) / 1000.0, is_large ?
                  "the store's budget for incomplete requests (PYDDP_STORE_BUFFER_BYTES)" :
                  "the store's pool of per-connection allowances");
         ddp_auth_log_reject("a store request", v->addr, why);
@@ -146,7 +147,10 @@ int ddp_store_input_room(ddp_store_server *srv, ddp_store_conn *c, size_t *room)
             return -1;
         }
     }
-    *room = n;
+    /* Whatever of the request fits in the buffer as it is: one recv may
+     * fill a large buffer, but only bytes that arrived make it grow. */
+    *room = c->in.cap - c->in.len;
+    if (*room > (size_t)limit - have) *room = (size_t)limit - have;
     return 0;
 }
 

@@ -91,11 +91,12 @@ int ddp_store_handle(ddp_store_server *srv, ddp_store_conn *c, const unsigned ch
  * needs more), or, for one request larger than the allowance, what that
  * request still needs. Growth within the allowance that would pass the pool
  * evicts other connections' stalled small requests, or waits (*room = 0,
- * c->starved set) if none can go; growth past the allowance that would pass the budget evicts
- * other connections' incomplete large requests, the one silent longest
- * first, each logged with its peer. Returns 0; -1 if c must be dropped (its
- * request is over DDP_STORE_MAX_BUFFERED or, logged, over the whole budget;
- * out of memory), c's buffered bytes intact. */
+ * c->starved set) if none can go; growth past the allowance that would
+ * pass the budget evicts other connections' incomplete large requests, the
+ * one silent longest first, each logged with its peer. Returns 0; -1 if c must be dropped (its
+ * request is over DDP_STORE_MAX_BUFFERED; logged: over the whole budget, or
+ * the budget is held by buffers no one may evict; out of memory), c's
+ * buffered bytes intact. */
 int ddp_store_input_room(ddp_store_server *srv, ddp_store_conn *c, size_t *room);
 
 /* 0 if the request at the front of c's input can be held once it has all
