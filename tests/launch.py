@@ -66,6 +66,42 @@ def assert_cases_passed(res, ws, cases):
         assert ranks == list(range(ws)), f"{case}: passed on ranks {ranks}\n{out[-4000:]}"
 
 
+STORE_SERVER = """
+import sys
+from datetime import timedelta
+import pyddp
+s = pyddp.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def store_server(env=None):
+    """pyddp's TCPStore server alone in its own process (so its memory can be read and
+    its log seen), in a new session: (Popen, port). The server runs until its stdin
+    closes; the caller kills it with kill_group(p.pid) in a finally and reads its
+    stderr (the server's log) with p.communicate()."""
+    e = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    p = subprocess.Popen([PY, "-c", STORE_SERVER], env=e, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        return p, int(p.stdout.readline())
+    except BaseException:
+        kill_group(p.pid)
+        p.communicate()
+        raise
+
+
+def proc_status_mib(pid, field="VmRSS"):
+    """A memory line of /proc/<pid>/status (VmRSS: resident now, VmHWM: the peak), MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
 def kill_group(pid):
     try:
         os.killpg(pid, signal.SIGKILL)

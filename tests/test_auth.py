@@ -218,32 +218,6 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
         _group.log.removeHandler(handler)
 
 
-SERVER = """
-import sys, time
-from datetime import timedelta
-import pyddp
-s = pyddp.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
-print(s.port, flush=True)
-sys.stdin.read()
-"""
-
-
-def _rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-def _start_server(env):
-    e = dict(os.environ, PYTHONPATH=launch.ROOT, **env)
-    p = subprocess.Popen([sys.executable, "-c", SERVER], env=e, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    return p, int(p.stdout.readline())
-
-
 def _validated(port):
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     s.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE))
@@ -251,10 +225,10 @@ def _validated(port):
 
 
 def test_store_memory_bound_under_stalled_senders():
-    p, port = _start_server({"PYDDP_STORE_BUFFER_BYTES": "64M"})
+    p, port = launch.store_server({"PYDDP_STORE_BUFFER_BYTES": "64M"})
     socks = []
     try:
-        base = _rss_mib(p.pid)
+        base = launch.proc_status_mib(p.pid)
         chunk = b"x" * (4 << 20)
         for _ in range(40):        # each announces a 60 MiB value, sends 4 MiB, stalls
             s = _validated(port)
@@ -266,7 +240,7 @@ def test_store_memory_bound_under_stalled_senders():
             except OSError:
                 pass               # closed by the server: over the budget
         time.sleep(0.5)
-        grown = _rss_mib(p.pid) - base
+        grown = launch.proc_status_mib(p.pid) - base
         # 40 x 4 MiB = 160 MiB offered; the budget is 64 MiB (plus one buffer doubling)
         assert grown < 64 + 48, grown
         import pyddp
@@ -283,7 +257,7 @@ def test_store_memory_bound_under_stalled_senders():
 
 
 def test_store_idle_request_timeout():
-    p, port = _start_server({"PYDDP_STORE_REQUEST_TIMEOUT": "1"})
+    p, port = launch.store_server({"PYDDP_STORE_REQUEST_TIMEOUT": "1"})
     try:
         s = _validated(port)
         s.sendall(b"\x01" + struct.pack("<Q", 1))      # half a SET, then nothing

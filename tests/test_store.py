@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 
+import launch
 from pyddp import _C
 from pyddp.store import TCPStore
 
@@ -485,3 +486,138 @@ def test_handshake_garbage_is_a_store_error():
         th.join(10)
         lsock.close()
     bounded(scenario)
+
+
+# ---- the budget for incomplete requests, held by stalled clients ----------
+
+def stall_large(port, size, sent):
+    """A validated connection that starts a SET of a size-byte value, sends `sent` bytes
+    of it and stalls. Returns the socket (the server may already have closed it)."""
+    s = raw(port)
+    s.settimeout(5)
+    try:
+        s.sendall(bytes([1]) + wire_str(b"/big") + struct.pack("<Q", size) + b"x" * sent)
+    except OSError:
+        pass                              # evicted while sending: fine for the caller
+    return s
+
+
+def recv_exact(s, n):
+    buf = bytearray()
+    while len(buf) < n:
+        got = s.recv(n - len(buf))
+        assert got, f"connection closed after {len(buf)} of {n} bytes"
+        buf += got
+    return bytes(buf)
+
+
+def settle(pid, seconds=3.0):
+    """Wait (at most `seconds`) until the server's resident size stops growing: it has
+    read what the stalled clients sent."""
+    last, deadline = -1.0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = launch.proc_status_mib(pid)
+        if abs(now - last) < 1:
+            return
+        last = now
+
+
+def test_burst_served_while_stalled_clients_hold_the_budget():
+    """40 connections stall part-way through 60 MiB values, holding the default 256 MiB
+    budget for incomplete requests, and more keep arriving (each evicting a stalled one,
+    as a client that reconnects after its eviction would); another client then sends
+    50,000 small SETs in one burst (a large job's rendezvous). Every SET is served, the
+    burst's connection stays up, torch's and pyddp's clients still work, and the server
+    stays under 1 GiB."""
+    p, port = launch.store_server()
+    hostile, burst = [], None
+    stop = threading.Event()
+
+    def keep_coming():                    # 40 more, while the burst is served
+        for _ in range(40):
+            if stop.is_set():
+                return
+            hostile.append(stall_large(port, 60 << 20, 7 << 20))
+    churn = threading.Thread(target=keep_coming, daemon=True)
+    try:
+        hostile.extend(stall_large(port, 60 << 20, 7 << 20) for _ in range(40))
+        settle(p.pid)
+        held = launch.proc_status_mib(p.pid)
+        assert held > 200, held           # the budget really is held
+        n = 50_000
+        keys = [f"/burst/{i}".encode() for i in range(n)]
+        burst = raw(port)
+        burst.settimeout(20)
+        churn.start()
+        t0 = time.monotonic()
+        burst.sendall(b"".join(bytes([1]) + wire_str(k) + wire_str(b"v%d" % i)
+                               for i, k in enumerate(keys)))
+        burst.sendall(bytes([7]))         # GETNUMKEYS: answered once every SET ran
+        assert struct.unpack("<Q", recv_exact(burst, 8))[0] == n
+        served_s = time.monotonic() - t0
+        # every key holds its own value: 50,000 pipelined GETs, read by a second thread
+        gets = b"".join(bytes([3]) + wire_str(k) for k in keys)
+        sender = threading.Thread(target=burst.sendall, args=(gets,), daemon=True)
+        sender.start()
+        for i in range(n):
+            size = struct.unpack("<Q", recv_exact(burst, 8))[0]
+            assert recv_exact(burst, size) == b"v%d" % i
+        sender.join(10)
+        churn.join(30)
+        assert not churn.is_alive()
+        tc = td.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
+        tc.set("torch", "ok")
+        ours = TCPStore("127.0.0.1", port, timeout=T)
+        assert ours.get("torch") == b"ok" and ours.num_keys() == n + 1
+        ours.close()
+        del tc
+        peak = launch.proc_status_mib(p.pid, "VmHWM")
+        assert peak < 1024, peak
+        print(f"burst of {n} SETs served in {served_s:.2f} s; server peak RSS {peak:.0f} MiB")
+    finally:
+        stop.set()
+        if churn.is_alive():
+            churn.join(30)
+        for s in hostile + [burst]:
+            if s is not None:
+                s.close()
+        launch.kill_group(p.pid)
+        p.communicate(timeout=10)
+
+
+def test_stalled_large_request_is_the_one_evicted():
+    """With the budget full, the incomplete large request silent for longest is dropped
+    (its connection closed, a log line naming its peer) to make room for a new one;
+    a newer stalled one stays and can still complete."""
+    p, port = launch.store_server({"PYDDP_STORE_BUFFER_BYTES": "24M"})
+    socks = []
+    try:
+        oldest = stall_large(port, 10 << 20, 6 << 20)     # holds 8 MiB of the budget
+        socks.append(oldest)
+        time.sleep(0.5)
+        newer = stall_large(port, 10 << 20, 6 << 20)      # 8 more
+        socks.append(newer)
+        time.sleep(0.5)
+        peer = "127.0.0.1:%d" % oldest.getsockname()[1]
+        full = raw(port)                                   # 10 more: over 24 MiB
+        socks.append(full)
+        full.settimeout(10)
+        full.sendall(bytes([1]) + wire_str(b"/full") + wire_str(b"y" * (10 << 20)) +
+                     bytes([13]) + struct.pack("<I", 99))  # PING
+        assert recv_exact(full, 4) == struct.pack("<I", 99)
+        assert dropped(oldest)
+        newer.settimeout(10)
+        newer.sendall(b"x" * (4 << 20) + bytes([13]) + struct.pack("<I", 7))
+        assert recv_exact(newer, 4) == struct.pack("<I", 7)
+        ours = TCPStore("127.0.0.1", port, timeout=T)
+        assert ours.get("full") == b"y" * (10 << 20)
+        assert ours.get("big") == b"x" * (10 << 20)
+        ours.close()
+    finally:
+        for s in socks:
+            s.close()
+        launch.kill_group(p.pid)
+        _, err = p.communicate(timeout=10)
+    assert f"rejected a store request from {peer}" in err, err
+    assert "evicted" in err, err

@@ -49,8 +49,9 @@ static const ddp_setting_decl table[] = {
      "path of a file holding the token (read once; a trailing newline is ignored), used when "
      "`PYDDP_AUTH_TOKEN` is unset or empty"},
     {"PYDDP_STORE_BUFFER_BYTES", DDP_SETTING_BYTES, "268435456", 256 * MIB, 1 * MIB, NOMAX,
-     CORE, "pyddp's store server: total bytes it holds for requests that have not fully "
-     "arrived; a connection whose request would exceed it is closed"},
+     CORE, "pyddp's store server: total bytes it holds for requests over 64 KiB while they "
+     "arrive (smaller ones are not counted); when it runs out, the incomplete request "
+     "silent longest is closed to make room, and a request larger than all of it is refused"},
     {"PYDDP_STORE_REQUEST_TIMEOUT", DDP_SETTING_SECONDS, "30", 30, 0, NOMAX, CORE,
      "pyddp's store server: seconds a request may stay incomplete before its connection is "
      "closed (a connection's first request gets at most 5 s)"},

@@ -12,12 +12,15 @@
  * With PYDDP_AUTH_TOKEN set, a connection must first pass the token
  * handshake (ddp_store.h): until it has, only the bytes of the handshake's
  * next step are read from it, and anything else closes it (logged once per
- * host). Memory and time are bounded against clients that stall: input
- * buffers above a small size count against one global budget
- * (PYDDP_STORE_BUFFER_BYTES), a request may stay incomplete for at most
- * PYDDP_STORE_REQUEST_TIMEOUT, and a connection must complete its first
- * request (the handshake and VALIDATE) within FIRST_REQUEST_MS; a
- * connection over any of these is closed, everyone else keeps being served.
+ * host). Memory and time are bounded against clients that stall: complete
+ * requests are run as soon as they are framed, between reads, so a
+ * connection buffers at most a small allowance plus one large request
+ * (ddp_store_input.c decides how much, and who is evicted when the
+ * budget for large ones, PYDDP_STORE_BUFFER_BYTES, runs out); a request
+ * may stay incomplete for at most PYDDP_STORE_REQUEST_TIMEOUT, and a
+ * connection must complete its first request (the handshake and VALIDATE)
+ * within FIRST_REQUEST_MS; a connection over any of these is closed,
+ * everyone else keeps being served.
  */
 #include "ddp_store_server_int.h"
 
@@ -33,25 +36,16 @@
 #include "ddp_settings.h"
 #include "ddp_sock.h"
 
-#define READ_CHUNK ((size_t)64 << 10)
 #define READ_BUDGET ((size_t)4 << 20)     /* bytes read per connection per round */
 #define OUT_HIGH_WATER ((size_t)4 << 20)  /* stop parsing while this much is queued */
-#define MAX_BUFFERED ((size_t)256 << 20)  /* one request may not exceed this */
 #define ACCEPTS_PER_ROUND 64
 #define FIRST_REQUEST_MS 5000
-#define SMALL_BUF ((size_t)128 << 10)     /* input buffers this small are not counted */
-
-/* Bytes of c's input buffer that count against the budget. */
-static size_t counted(const ddp_store_conn *c) {
-    return c->in.cap > SMALL_BUF ? c->in.cap : 0;
-}
 
 /* Close and free one connection (its pending WAIT goes with it). */
 static void conn_free(ddp_store_server *srv, ddp_store_conn *c) {
     if (c == NULL) return;
-    srv->held -= counted(c);
     if (c->fd >= 0) close(c->fd);
-    ddp_wbuf_free(&c->in);
+    ddp_store_input_release(srv, c);
     ddp_wbuf_free(&c->out);
     ddp_store_conn_clear_wait(srv, c);
     free(c);
@@ -76,7 +70,7 @@ static void accept_new(ddp_store_server *srv) {
             return;
         }
         c->fd = fd;
-        c->opened_ms = ddp_now_ms();
+        c->opened_ms = c->heard_ms = ddp_now_ms();
         ddp_auth_peer_name(fd, c->addr, sizeof c->addr);
         c->authed = !srv->has_key;
         ddp_wbuf_init(&c->in);
@@ -94,40 +88,6 @@ int ddp_store_grow_conns(ddp_store_server *srv) {
     if (pf == NULL) return -1;
     srv->pfds = pf;
     srv->capconns = cap;
-    return 0;
-}
-
-/* Read what the connection has (up to a budget, for fairness). Returns 0,
- * or -1 if the peer closed/reset, sent more than one request may hold, or
- * would take the server over its memory budget; bytes already buffered are
- * still parsed by the caller in either case. Before a connection has
- * authenticated, only the bytes of the handshake's current step are read. */
-static int conn_read(ddp_store_server *srv, ddp_store_conn *c) {
-    size_t total = 0;
-    while (total < READ_BUDGET) {
-        if (ddp_wbuf_size(&c->in) > MAX_BUFFERED) return -1;
-        size_t before = counted(c);
-        int r = ddp_wbuf_reserve(&c->in, READ_CHUNK);
-        srv->held += counted(c) - before;
-        if (r < 0) return -1;
-        if (counted(c) > before && srv->held > srv->budget) {   /* only the one growing */
-            ddp_auth_log_reject("a store request", c->addr, "the store's budget for "
-                                "incomplete requests (PYDDP_STORE_BUFFER_BYTES) is used up");
-            return -1;
-        }
-        size_t room = c->in.cap - c->in.len, got = 0;
-        if (!c->authed) {   /* the handshake's next step, not a byte more */
-            size_t want = c->auth_stage == 0 ? DDP_STORE_AUTH_HELLO : DDP_AUTH_MAC;
-            size_t have = ddp_wbuf_size(&c->in);
-            if (have >= want) break;
-            if (room > want - have) room = want - have;
-        }
-        ddp_status st = ddp_sock_recv_some(c->fd, c->in.p + c->in.len, room, &got);
-        c->in.len += got;
-        total += got;
-        if (st != DDP_OK) return -1;
-        if (got < room) break;   /* the socket is drained for now */
-    }
     return 0;
 }
 
@@ -233,14 +193,41 @@ static int conn_process(ddp_store_server *srv, ddp_store_conn *c) {
     }
     if (ddp_wbuf_size(&c->in) == 0) {
         c->partial_ms = 0;
-        if (counted(c) > 0) {   /* give a large buffer back to the budget */
-            srv->held -= counted(c);
-            ddp_wbuf_free(&c->in);
-        }
     } else if (progress || c->partial_ms == 0) {
         c->partial_ms = ddp_now_ms();
     }
     return c->out.oom ? -1 : 0;
+}
+
+/* Read what the connection has, up to a budget per round (for fairness),
+ * running the requests framed so far before each read: the input holds at
+ * most the allowance, or one large request, never a whole burst of
+ * pipelined ones (ddp_store_input_room says how much to read). Returns 0;
+ * -1 if the peer closed or reset, or its request cannot be held (over
+ * DDP_STORE_MAX_BUFFERED or the budget): bytes already buffered are still
+ * run by the caller. A bad request sets c->dead (and returns 0). */
+static int conn_read(ddp_store_server *srv, ddp_store_conn *c) {
+    size_t total = 0;
+    while (total < READ_BUDGET) {
+        if (conn_process(srv, c) < 0) {
+            c->dead = 1;
+            return 0;
+        }
+        size_t room = 0, got = 0;
+        if (ddp_wbuf_size(&c->out) >= OUT_HIGH_WATER) break;   /* back-pressure */
+        /* A handshake step's answer goes out before the next step is read. */
+        if (!c->authed && ddp_wbuf_size(&c->out) > 0) break;
+        if (ddp_store_input_room(srv, c, &room) < 0) return -1;
+        if (room == 0) break;
+        if (room > READ_BUDGET - total) room = READ_BUDGET - total;
+        ddp_status st = ddp_sock_recv_some(c->fd, c->in.p + c->in.len, room, &got);
+        c->in.len += got;
+        total += got;
+        if (got > 0) c->heard_ms = ddp_now_ms();
+        if (st != DDP_OK) return -1;
+        if (got < room) break;   /* the socket is drained for now */
+    }
+    return 0;
 }
 
 /* Free dropped connections and close the gaps in the array. */
@@ -277,7 +264,8 @@ static void serve_round(ddp_store_server *srv) {
     for (size_t i = 0; i < n; i++) {
         ddp_store_conn *c = srv->conns[i];
         short ev = 0;
-        if (ddp_wbuf_size(&c->out) < OUT_HIGH_WATER) ev |= POLLIN;
+        if (ddp_wbuf_size(&c->out) < OUT_HIGH_WATER && !c->starved) ev |= POLLIN;
+        c->starved = 0;
         if (ddp_wbuf_size(&c->out) > 0) ev |= POLLOUT;
         srv->pfds[i + 2] = (struct pollfd){.fd = c->fd, .events = ev};
     }
@@ -290,15 +278,18 @@ static void serve_round(ddp_store_server *srv) {
         ddp_store_conn *c = srv->conns[i];
         short re = srv->pfds[i + 2].revents;
         int gone = 0;
+        if (c->dead) continue;   /* evicted this round to make room for another */
         if (re & (POLLIN | POLLHUP | POLLERR)) gone = conn_read(srv, c) < 0;
         /* Requests that fully arrived before a disconnect still take effect,
          * and a client that only half-closed still gets their replies. */
-        if (conn_process(srv, c) < 0 || gone) c->dead = 1;
+        if (!c->dead && conn_process(srv, c) < 0) c->dead = 1;
+        if (gone || (!c->dead && ddp_store_input_fits(srv, c) < 0)) c->dead = 1;
         if (gone && !c->authed && c->auth_stage == 1)   /* it saw our proof and left */
             auth_reject(c, "it closed the connection after the server's proof (a different "
                         "PYDDP_AUTH_TOKEN)", 1);
         if (gone) conn_flush(c);
         if (!c->dead && conn_overdue(srv, c, ddp_now_ms())) c->dead = 1;
+        if (!c->dead) ddp_store_input_trim(srv, c);
     }
     if (srv->pfds[1].revents) accept_new(srv);
     /* Flush everyone: a SET from one client may have woken another's WAIT. */

@@ -1,5 +1,7 @@
-/* ddp_store_server_int.h - private types shared by the store server's two
- * halves: ddp_store_server.c (thread, sockets, buffering) and
+/* ddp_store_server_int.h - private types shared by the store server's
+ * parts: ddp_store_server.c (thread, sockets, the order of work),
+ * ddp_store_input.c (how much of a connection's input is buffered, and
+ * whose incomplete request gives way when memory runs short) and
  * ddp_store_ops.c (parsing and running one request). Only the server
  * thread touches any of this after ddp_store_server_start returns.
  */
@@ -18,6 +20,17 @@
 #include "ddp_store_waiters.h"
 #include "ddp_store_wire.h"
 
+/* Input buffering (ddp_store_input.c, docs/security.md "The store server's
+ * limits"). Every connection may buffer up to DDP_STORE_ALLOWANCE bytes
+ * outside PYDDP_STORE_BUFFER_BYTES, enough to frame any request of ordinary
+ * size; all connections' allowances together are held under
+ * DDP_STORE_ALLOWANCE_POOL. A buffer grows past its allowance only for one
+ * request that is itself larger, and then counts in full against the budget. */
+#define DDP_STORE_ALLOWANCE ((size_t)64 << 10)
+#define DDP_STORE_ALLOWANCE_POOL ((size_t)64 << 20)
+#define DDP_STORE_READ_CHUNK ((size_t)64 << 10)     /* bytes asked of one recv at most */
+#define DDP_STORE_MAX_BUFFERED ((size_t)256 << 20)  /* one request may not exceed this */
+
 typedef struct ddp_store_conn {
     int fd;
     int validated;        /* a correct VALIDATE came first */
@@ -26,8 +39,10 @@ typedef struct ddp_store_conn {
     unsigned char nc[DDP_AUTH_NONCE], ns[DDP_AUTH_NONCE];  /* the two nonces */
     int64_t opened_ms;    /* accepted at; the first request must complete soon after */
     int64_t partial_ms;   /* when the request now buffered began arriving (0: none) */
+    int64_t heard_ms;     /* when its last bytes arrived (or it connected) */
     char addr[64];        /* the peer's ip:port, for the log */
     int dead;             /* drop at the end of this round */
+    int starved;          /* no room to read into this round: not polled for input next */
     ddp_wbuf in, out;     /* unparsed request bytes; unsent reply bytes */
     ddp_store_scan scan;  /* how far the request at the start of `in` was checked */
     /* The one outstanding WAIT (waiting == 0: none): a node in the server's
@@ -50,7 +65,9 @@ struct ddp_store_server {
     struct pollfd *pfds;         /* capconns + 2 entries: wake pipe, listener, conns */
     ddp_auth key;                /* the token, when has_key (read at start) */
     int has_key;
-    atomic_size_t held;          /* counted input-buffer bytes (atomic: tests read it) */
+    /* Input-buffer bytes (atomic: tests read them): of buffers larger than the
+     * allowance (against budget), and of the others (against the pool). */
+    atomic_size_t held, allowed;
     size_t budget;               /* PYDDP_STORE_BUFFER_BYTES */
     int64_t request_timeout_ms;  /* PYDDP_STORE_REQUEST_TIMEOUT */
 };
@@ -66,6 +83,35 @@ int ddp_store_grow_conns(ddp_store_server *srv);
  * unknown query, over-long field, missing VALIDATE, or out of memory). */
 int ddp_store_handle(ddp_store_server *srv, ddp_store_conn *c, const unsigned char *p,
                      size_t n, size_t *used);
+
+/* Make room in c's input for the next read and say how many bytes to ask
+ * for (*room; 0: read nothing now). Before authentication that is the rest
+ * of the handshake's current step; after it, up to the allowance (framed
+ * requests are run before the next read, so a burst of small requests never
+ * needs more), or, for one request larger than the allowance, what that
+ * request still needs. Growth within the allowance that would pass the pool
+ * evicts other connections' stalled small requests, or waits (*room = 0,
+ * c->starved set) if none can go; growth past the allowance that would
+ * pass the budget evicts other connections' incomplete large requests, the
+ * one silent longest first, each logged with its peer. Returns 0; -1 if c must be dropped (its
+ * request is over DDP_STORE_MAX_BUFFERED; logged: over the whole budget, or
+ * the budget is held by buffers no one may evict; out of memory), c's
+ * buffered bytes intact. */
+int ddp_store_input_room(ddp_store_server *srv, ddp_store_conn *c, size_t *room);
+
+/* 0 if the request at the front of c's input can be held once it has all
+ * arrived; -1 (logged when it is the budget it exceeds) if it is over
+ * DDP_STORE_MAX_BUFFERED or the whole budget: c must be dropped. */
+int ddp_store_input_fits(ddp_store_server *srv, ddp_store_conn *c);
+
+/* After a round's work on c: free its input buffer if empty, shrink it to
+ * about its bytes if it is mostly empty (the rest of a large buffer, or a
+ * small request's first bytes), so a connection holds memory only for the
+ * request it is receiving. Re-bills the buffer; never fails. */
+void ddp_store_input_trim(ddp_store_server *srv, ddp_store_conn *c);
+
+/* Free c's input buffer and take it off the books (c closing or evicted). */
+void ddp_store_input_release(ddp_store_server *srv, ddp_store_conn *c);
 
 /* Forget c's pending WAIT, removing it from the waiter index. */
 void ddp_store_conn_clear_wait(ddp_store_server *srv, ddp_store_conn *c);

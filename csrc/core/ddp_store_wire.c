@@ -13,7 +13,9 @@ void ddp_wbuf_free(ddp_wbuf *b) {
     ddp_wbuf_init(b);
 }
 
-int ddp_wbuf_reserve(ddp_wbuf *b, size_t n) {
+int ddp_wbuf_reserve(ddp_wbuf *b, size_t n) { return ddp_wbuf_reserve_upto(b, n, SIZE_MAX); }
+
+int ddp_wbuf_reserve_upto(ddp_wbuf *b, size_t n, size_t most) {
     if (b->oom) return -1;
     if (n <= b->cap - b->len) return 0;
     if (b->start > 0) {   /* reclaim consumed space before growing */
@@ -28,6 +30,7 @@ int ddp_wbuf_reserve(ddp_wbuf *b, size_t n) {
     }
     size_t cap = b->cap ? b->cap : 256;
     while (cap - b->len < n) cap *= 2;
+    if (cap > most) cap = most > b->len + n ? most : b->len + n;
     unsigned char *p = realloc(b->p, cap);
     if (p == NULL) {
         b->oom = 1;
@@ -36,6 +39,22 @@ int ddp_wbuf_reserve(ddp_wbuf *b, size_t n) {
     b->p = p;
     b->cap = cap;
     return 0;
+}
+
+void ddp_wbuf_compact(ddp_wbuf *b) {
+    size_t n = ddp_wbuf_size(b), cap = 256;
+    if (b->p == NULL) return;
+    if (b->start > 0) {
+        memmove(b->p, b->p + b->start, n);
+        b->len = n;
+        b->start = 0;
+    }
+    while (cap < n) cap *= 2;
+    if (cap >= b->cap) return;
+    unsigned char *p = realloc(b->p, cap);
+    if (p == NULL) return;   /* keep the larger block */
+    b->p = p;
+    b->cap = cap;
 }
 
 void ddp_wbuf_raw(ddp_wbuf *b, const void *p, size_t n) {

@@ -36,6 +36,14 @@ void ddp_wbuf_init(ddp_wbuf *b);
 void ddp_wbuf_free(ddp_wbuf *b);
 /* Make room for n more bytes; 0 on success, -1 (and oom set) on failure. */
 int ddp_wbuf_reserve(ddp_wbuf *b, size_t n);
+/* The same, but a growth stops at `most` bytes of capacity (or at what the n
+ * bytes need, if that is more) instead of doubling past it: for a buffer
+ * that is known to need no more than `most`. */
+int ddp_wbuf_reserve_upto(ddp_wbuf *b, size_t n, size_t most);
+/* Move the unconsumed bytes to the front and give back the capacity beyond
+ * them (kept: the smallest power of two, at least 256, that holds them). On a
+ * failed shrink the buffer stays as it was (still valid, not oom). */
+void ddp_wbuf_compact(ddp_wbuf *b);
 void ddp_wbuf_raw(ddp_wbuf *b, const void *p, size_t n);
 void ddp_wbuf_u8(ddp_wbuf *b, uint8_t v);
 void ddp_wbuf_u32(ddp_wbuf *b, uint32_t v);

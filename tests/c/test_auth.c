@@ -7,7 +7,8 @@
  * VALIDATE/SET dropped, others still served); the request framer fed byte
  * by byte agreeing with one call on the whole request; the waiter index;
  * the memory budget under stalled senders; the incomplete-request and
- * first-request timeouts. */
+ * first-request timeouts; who gives way when the budget runs out (the
+ * stalled large request silent longest, never a burst of small ones). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -334,36 +335,58 @@ static int validated_conn(int port) {
     return fd;
 }
 
-static void test_bounds(void) {
-    set_env_token(NULL);
-    setenv("PYDDP_STORE_BUFFER_BYTES", "16M", 1);
-    setenv("PYDDP_STORE_REQUEST_TIMEOUT", "1", 1);
-    ddp_settings_reload();
+/* A validated connection that starts a SET of a `size`-byte value and
+ * sends `sent` bytes of it (the server may cut it off: not checked). */
+static int stalled_set(int port, size_t size, size_t sent) {
+    static unsigned char chunk[1 << 20];
+    int fd = validated_conn(port);
+    unsigned char h[1 + 8 + 1 + 8];
+    uint64_t one = 1, big = size;
+    h[0] = DDP_Q_SET;
+    memcpy(h + 1, &one, 8);
+    h[9] = 'k';
+    memcpy(h + 10, &big, 8);
+    T_OK(ddp_sock_send_all(fd, h, sizeof h, W(3000), "srv"));
+    for (size_t i = 0; i < sent; i += sizeof chunk)
+        ddp_sock_send_all(fd, chunk, sent - i < sizeof chunk ? sent - i : sizeof chunk,
+                          W(3000), "srv");
+    return fd;
+}
+
+/* Start a server with this budget and request timeout (settings restored
+ * by bounds_end). */
+static ddp_store_server *bounds_start(const char *budget, const char *timeout, int *port) {
     ddp_store_server *srv;
+    set_env_token(NULL);
+    setenv("PYDDP_STORE_BUFFER_BYTES", budget, 1);
+    setenv("PYDDP_STORE_REQUEST_TIMEOUT", timeout, 1);
+    ddp_settings_reload();
+    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, port));
+    return srv;
+}
+
+static void bounds_end(ddp_store_server *srv) {
+    ddp_store_server_stop(srv);
+    unsetenv("PYDDP_STORE_BUFFER_BYTES");
+    unsetenv("PYDDP_STORE_REQUEST_TIMEOUT");
+    ddp_settings_reload();
+}
+
+static void test_bounds(void) {
     int port;
-    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &port));
-    /* 20 clients announce 60 MiB values and send 2 MiB of each: 40 MiB offered */
+    ddp_store_server *srv = bounds_start("16M", "1", &port);
+    /* 20 clients announce 12 MiB values and send 2 MiB of each: 40 MiB
+     * offered (80 MiB of buffers), 16 MiB held; the rest are evicted */
     enum { N = 20 };
     int fds[N];
-    static unsigned char chunk[2 << 20];
-    for (int i = 0; i < N; i++) {
-        fds[i] = validated_conn(port);
-        unsigned char h[1 + 8 + 1 + 8];
-        uint64_t one = 1, big = (uint64_t)60 << 20;
-        h[0] = DDP_Q_SET;
-        memcpy(h + 1, &one, 8);
-        h[9] = 'k';
-        memcpy(h + 10, &big, 8);
-        T_OK(ddp_sock_send_all(fds[i], h, sizeof h, W(3000), "srv"));
-        ddp_sock_send_all(fds[i], chunk, sizeof chunk, W(3000), "srv");   /* may be cut off */
-    }
+    for (int i = 0; i < N; i++) fds[i] = stalled_set(port, (size_t)12 << 20, (size_t)2 << 20);
     usleep(300 * 1000);
-    /* the server's own accounting stays within the budget (one doubling of slack) */
-    T_ASSERT(srv->held <= ((size_t)16 << 20) + ((size_t)8 << 20));
+    /* the server's own accounting stays within the budget */
+    T_ASSERT(srv->held <= ((size_t)16 << 20));
     ddp_store *s;
     T_OK(ddp_store_connect("127.0.0.1", port, W(3000), &s));   /* others still served */
     T_OK(ddp_store_set(s, "x", 1, "y", 1, W(3000)));
-    /* the stalled requests are dropped after PYDDP_STORE_REQUEST_TIMEOUT (1 s) */
+    /* the stalled requests still held are dropped after PYDDP_STORE_REQUEST_TIMEOUT (1 s) */
     int64_t t0 = ddp_now_ms();
     for (int i = 0; i < N; i++) {
         T_ASSERT(closed_within(fds[i], 4000, NULL));
@@ -381,11 +404,62 @@ static void test_bounds(void) {
     T_OK(ddp_store_num_keys(s, &n, W(3000)));
     T_ASSERT(n == 1 && srv->held == 0);
     ddp_store_close(s);
-    ddp_store_server_stop(srv);
-    unsetenv("PYDDP_STORE_BUFFER_BYTES");
-    unsetenv("PYDDP_STORE_REQUEST_TIMEOUT");
-    ddp_settings_reload();
+    bounds_end(srv);
     printf("budget under stalled senders, request and first-request timeouts: ok\n");
+}
+
+static void test_eviction(void) {
+    int port;
+    ddp_store_server *srv = bounds_start("16M", "30", &port);
+    const size_t MIB = (size_t)1 << 20;
+    /* two stalled large requests hold 4 MiB of buffer each, the first for longer */
+    int oldest = stalled_set(port, 6 * MIB, 3 * MIB);
+    usleep(200 * 1000);
+    int newer = stalled_set(port, 6 * MIB, 3 * MIB);
+    usleep(200 * 1000);
+    T_ASSERT(srv->held == 8 * MIB);
+    /* a burst of 20,000 small SETs in one send never touches the budget */
+    ddp_wbuf b;
+    ddp_wbuf_init(&b);
+    char key[32];
+    for (int i = 0; i < 20000; i++) {
+        int kl = snprintf(key, sizeof key, "/burst/%d", i);
+        ddp_wbuf_u8(&b, DDP_Q_SET);
+        ddp_wbuf_str(&b, key, (size_t)kl);
+        ddp_wbuf_str(&b, "v", 1);
+    }
+    int burst = validated_conn(port);
+    T_OK(ddp_sock_send_all(burst, b.p, b.len, W(5000), "srv"));
+    ddp_store *s;
+    T_OK(ddp_store_connect("127.0.0.1", port, W(3000), &s));
+    int64_t n = 0;
+    for (int tries = 0; tries < 100 && n < 20000; tries++, usleep(20 * 1000))
+        T_OK(ddp_store_num_keys(s, &n, W(3000)));
+    T_ASSERT(n == 20000 && srv->held == 8 * MIB);
+    /* a complete 10 MiB SET needs 10 MiB more: the oldest stalled request gives
+     * way, the newer one stays */
+    static unsigned char big[10 << 20];
+    T_OK(ddp_store_set(s, "/full", 5, big, sizeof big, W(5000)));
+    T_OK(ddp_store_num_keys(s, &n, W(3000)));   /* answered once the SET ran */
+    T_ASSERT(n == 20001 && closed_within(oldest, 3000, NULL));
+    T_ASSERT(!closed_within(newer, 200, NULL));
+    T_ASSERT(srv->held == 4 * MIB);   /* the finished request's buffer was given back */
+    /* a request larger than the whole budget is refused; nobody is evicted for it */
+    int huge = stalled_set(port, 20 * MIB, 0);
+    T_ASSERT(closed_within(huge, 3000, NULL));
+    T_ASSERT(!closed_within(newer, 200, NULL) && !closed_within(burst, 10, NULL));
+    /* the newer one completes its request and is still served */
+    ddp_sock_send_all(newer, big, 3 * MIB, W(5000), "srv");
+    T_OK(ddp_store_num_keys(s, &n, W(3000)));
+    T_ASSERT(n == 20002 && srv->held == 0);
+    close(oldest);
+    close(newer);
+    close(huge);
+    close(burst);
+    ddp_wbuf_free(&b);
+    ddp_store_close(s);
+    bounds_end(srv);
+    printf("eviction: the stalled request silent longest gives way, small ones never: ok\n");
 }
 
 int main(void) {
@@ -396,6 +470,7 @@ int main(void) {
     test_waiters();
     test_store_auth();
     test_bounds();
+    test_eviction();
     printf("test_auth: ok\n");
     return 0;
 }

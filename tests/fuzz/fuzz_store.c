@@ -5,7 +5,8 @@
  * The first input byte picks a chunk size; the rest is one connection's
  * byte stream. It is fed to two fresh servers, one all at once and one in
  * chunks (as reads would deliver it), the way ddp_store_server.c does
- * (run only when the framer said the bytes can help). Both must consume
+ * (each read no longer than ddp_store_input_room allows, run only when the
+ * framer said the bytes can help, the buffer trimmed after each). Both must consume
  * the same bytes, drop the connection at the same point and queue the same
  * replies: incremental parsing may not change what a request means. A
  * second connection keeps a WAIT pending on the chunked server so SETs wake
@@ -23,8 +24,10 @@ typedef struct run_result {
     ddp_wbuf out;
 } run_result;
 
-/* Feed data to one connection of a fresh server in pieces of `chunk` bytes. */
-static void feed(const uint8_t *data, size_t size, size_t chunk, int with_waiter,
+/* Feed data to one connection of a fresh server in pieces of `chunk` bytes
+ * (paced: also no more than ddp_store_input_room allows, trimmed after each;
+ * with_waiter: another connection waits on "/k"). */
+static void feed(const uint8_t *data, size_t size, size_t chunk, int paced, int with_waiter,
                  run_result *res) {
     ddp_store_server srv;
     memset(&srv, 0, sizeof srv);
@@ -50,9 +53,20 @@ static void feed(const uint8_t *data, size_t size, size_t chunk, int with_waiter
     }
     res->consumed = 0;
     res->dropped = 0;
-    for (size_t off = 0; off < size && !res->dropped; off += chunk) {
-        size_t n = size - off < chunk ? size - off : chunk;
-        ddp_wbuf_raw(&c.in, data + off, n);
+    srv.budget = (size_t)256 << 20;
+    c.authed = 1;   /* (the handshake is not this target's) */
+    for (size_t off = 0, n = 0; off < size && !res->dropped; off += n) {
+        n = size - off < chunk ? size - off : chunk;
+        if (paced) {   /* read as the real server does */
+            size_t room = 0;
+            if (ddp_store_input_room(&srv, &c, &room) < 0) { res->dropped = 1; break; }
+            if (room == 0) abort();   /* framed requests were run: there is always room */
+            if (n > room) n = room;
+            memcpy(c.in.p + c.in.len, data + off, n);
+            c.in.len += n;
+        } else {
+            ddp_wbuf_raw(&c.in, data + off, n);
+        }
         while (ddp_wbuf_size(&c.in) > 0 && ddp_wbuf_size(&c.in) >= c.scan.need) {
             size_t used = 0;
             int r = ddp_store_handle(&srv, &c, ddp_wbuf_data(&c.in), ddp_wbuf_size(&c.in), &used);
@@ -61,9 +75,11 @@ static void feed(const uint8_t *data, size_t size, size_t chunk, int with_waiter
             ddp_wbuf_consume(&c.in, used);
             res->consumed += used;
         }
+        if (paced) ddp_store_input_trim(&srv, &c);
     }
+    if (paced && srv.held + srv.allowed != c.in.cap) abort();   /* the books balance */
     res->out = c.out;   /* handed to the caller */
-    ddp_wbuf_free(&c.in);
+    ddp_store_input_release(&srv, &c);
     ddp_store_conn_clear_wait(&srv, &c);
     ddp_store_conn_clear_wait(&srv, &w);
     ddp_wbuf_free(&w.in);
@@ -77,8 +93,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t chunk = 1 + data[0] % 17;
     data++, size--;
     run_result whole, pieces;
-    feed(data, size, size ? size : 1, 0, &whole);
-    feed(data, size, chunk, 1, &pieces);
+    feed(data, size, size ? size : 1, 0, 0, &whole);
+    feed(data, size, chunk, 1, 1, &pieces);
     if (whole.consumed != pieces.consumed || whole.dropped != pieces.dropped) abort();
     /* the waiter's STOP_WAITING went to the other connection, so the replies on
      * this one match byte for byte */
