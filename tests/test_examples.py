@@ -49,7 +49,17 @@ def test_from_torch_ddp_differs_only_in_imports(tmp_path):
     torch_version.write_text("\n".join(torch_lines) + "\n")
     for script in (PORTED, str(torch_version)):
         res = torchrun(script, 2, timeout=120)
+        if script != PORTED and res.returncode != 0 and _gloo_exit_abort(res.output):
+            res = torchrun(script, 2, timeout=120)     # the reference's own flake: once more
         assert res.returncode == 0, res.output[-6000:]
         for r in range(2):
             assert f"Finished running DDP example on rank {r}." in res.output
             assert f"rank {r}: checkpoint round trip done" in res.output
+
+
+def _gloo_exit_abort(out):
+    """torch's gloo backend now and then aborts as its process exits, after the script
+    finished ("terminate called without an active exception", SIGABRT): a defect of the
+    reference, not of the script under test, which must exit 0 every time."""
+    return ("terminate called without an active exception" in out
+            and all(f"Finished running DDP example on rank {r}." in out for r in range(2)))
