@@ -1,9 +1,15 @@
 """A LightningModule trained with Lightning's DDP over pyddp: `strategy="ddp_pyddp"`.
 
 Under the same torchrun line as any torch DDP script (Lightning detects torchrun and
-starts no processes of its own):
+starts no processes of its own), on one machine or on each of N machines:
 
     torchrun --standalone --nproc_per_node=2 examples/lightning_train.py
+    torchrun --nproc_per_node=2 --nnodes=N --node_rank=i --master_addr=IP \
+             --master_port=23456 examples/lightning_train.py
+
+Lightning refuses a world size other than num_nodes x devices, so under torchrun both
+come from torchrun's variables (GROUP_WORLD_SIZE nodes of LOCAL_WORLD_SIZE processes);
+--num-nodes and --devices override them.
 
 or with Lightning's own launcher, which starts the other processes itself:
 
@@ -67,12 +73,16 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=None,
                    help="processes to start (default: torchrun's LOCAL_WORLD_SIZE, else 2)")
+    p.add_argument("--num-nodes", type=int, default=None,
+                   help="machines in the job (default: torchrun's GROUP_WORLD_SIZE, else 1)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--checkpoint-dir", default="checkpoints/lightning")
     args = p.parse_args()
     devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
+    num_nodes = args.num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", "1"))
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_pyddp",
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes,
+                         strategy="ddp_pyddp",
                          max_epochs=args.epochs, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.checkpoint_dir,
                          callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir,

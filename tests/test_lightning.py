@@ -67,3 +67,46 @@ def test_lightning_example_under_torchrun(tmp_path):
                   r"test_acc (\S+), checkpoint (\S+)", res.stdout)
     assert m, res.output[-3000:]
     assert float(m.group(3)) > 0.9 and os.path.exists(m.group(4)), m.group(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_lightning_example_across_two_hosts(tmp_path):
+    """examples/lightning_train.py on two "hosts" (network namespaces), one torchrun per
+    node in the static multi-node form: Lightning accepts the world size (num_nodes
+    from torchrun's variables), trains on both, and rank 0 writes the checkpoint into
+    its own node's directory (no shared storage)."""
+    import subprocess
+    import sys
+    from launch import ROOT, free_port, kill_group
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from netns import NetnsUnavailable, exec_prefix, two_hosts
+    port = free_port()
+    procs = []
+    try:
+        with two_hosts() as hosts:
+            for i, h in enumerate(hosts):
+                d = tmp_path / f"node{i}"
+                d.mkdir()
+                cmd = exec_prefix(h.ns) + [
+                    PY, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=2",
+                    f"--node_rank={i}", f"--master_addr={hosts[0].addr}",
+                    f"--master_port={port}", f"{ROOT}/examples/lightning_train.py",
+                    "--epochs", "1", "--checkpoint-dir", str(d)]
+                env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+                procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    m = re.search(r"strategy ddp_pyddp on 2 ranks: train_loss (\S+), val_acc (\S+), "
+                  r"test_acc (\S+), checkpoint (\S+)", outs[0])
+    assert m, outs[0][-3000:]
+    assert float(m.group(3)) > 0.8, m.group(0)
+    assert m.group(4).startswith(str(tmp_path / "node0")) and os.path.exists(m.group(4))
+    assert not list((tmp_path / "node1").iterdir())
