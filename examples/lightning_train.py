@@ -18,7 +18,10 @@ or with Lightning's own launcher, which starts the other processes itself:
 The one line that differs from a stock Lightning script is `import pyddp.lightning`
 (it registers the strategy name); `strategy="ddp"` would train the same model on gloo.
 Metrics logged with `sync_dist=True` are averaged across ranks by pyddp, checkpoints
-are written by rank 0 as usual, and `trainer.test` runs on every rank.
+are written by rank 0 as usual, and `trainer.test` runs on every rank. `--resume PATH`
+continues from a checkpoint that only rank 0's machine has: the plugin
+`pyddp.lightning.rank0_checkpoint_io()` reads it there and broadcasts it (no shared
+storage needed).
 """
 import argparse
 import os
@@ -77,6 +80,8 @@ def main():
                    help="machines in the job (default: torchrun's GROUP_WORLD_SIZE, else 1)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--checkpoint-dir", default="checkpoints/lightning")
+    p.add_argument("--resume", default=None, metavar="PATH",
+                   help="checkpoint to continue from (needed on rank 0's machine only)")
     args = p.parse_args()
     devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     num_nodes = args.num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", "1"))
@@ -85,18 +90,20 @@ def main():
                          strategy="ddp_pyddp",
                          max_epochs=args.epochs, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.checkpoint_dir,
+                         plugins=[pyddp.lightning.rank0_checkpoint_io()],
                          callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir,
                                                                  save_last=True)])
     model = Classifier()
     trainer.fit(model, DataLoader(dataset(4096, 1), batch_size=64, shuffle=True),
-                DataLoader(dataset(1024, 2), batch_size=256))
+                DataLoader(dataset(1024, 2), batch_size=256), ckpt_path=args.resume)
     m = dict(trainer.callback_metrics)     # trainer.test replaces them with its own
     result = trainer.test(model, DataLoader(dataset(1024, 3), batch_size=256), verbose=False)
     if trainer.global_rank == 0:
         print(f"strategy ddp_pyddp on {trainer.world_size} ranks: train_loss "
               f"{m['train_loss'].item():.4f}, val_acc {m['val_acc'].item():.4f}, test_acc "
               f"{result[0]['test_acc']:.4f}, checkpoint "
-              f"{trainer.checkpoint_callback.last_model_path}", flush=True)
+              f"{trainer.checkpoint_callback.last_model_path}, global step "
+              f"{trainer.global_step}", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_lightning_example_under_torchrun(tmp_path):
                    args=["--epochs", "2", "--checkpoint-dir", str(tmp_path)], timeout=240)
     assert res.returncode == 0, res.output[-4000:]
     m = re.search(r"strategy ddp_pyddp on 2 ranks: train_loss (\S+), val_acc (\S+), "
-                  r"test_acc (\S+), checkpoint (\S+)", res.stdout)
+                  r"test_acc (\S+), checkpoint (\S+), global step \d+", res.stdout)
     assert m, res.output[-3000:]
     assert float(m.group(3)) > 0.9 and os.path.exists(m.group(4)), m.group(0)
 
@@ -80,33 +80,48 @@ def test_lightning_example_across_two_hosts(tmp_path):
     from launch import ROOT, free_port, kill_group
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from netns import NetnsUnavailable, exec_prefix, two_hosts
-    port = free_port()
-    procs = []
-    try:
-        with two_hosts() as hosts:
+    def job(hosts, *args):
+        port, procs = free_port(), []
+        try:
             for i, h in enumerate(hosts):
-                d = tmp_path / f"node{i}"
-                d.mkdir()
-                cmd = exec_prefix(h.ns) + [
+                # node 1 cannot see node 0's directory (an empty tmpfs over it, in a mount
+                # namespace of its own), as without shared storage
+                hide = [] if i == 0 else [
+                    "unshare", "-m", "sh", "-c",
+                    f'mount -t tmpfs none {tmp_path / "node0"} && exec "$0" "$@"']
+                cmd = exec_prefix(h.ns) + hide + [
                     PY, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=2",
                     f"--node_rank={i}", f"--master_addr={hosts[0].addr}",
                     f"--master_port={port}", f"{ROOT}/examples/lightning_train.py",
-                    "--epochs", "1", "--checkpoint-dir", str(d)]
+                    "--checkpoint-dir", str(tmp_path / f"node{i}"), *args]
                 env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
                 procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               start_new_session=True))
             outs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            for p in procs:
+                kill_group(p.pid)
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-4000:]
+        m = re.search(r"strategy ddp_pyddp on 2 ranks: train_loss (\S+), val_acc (\S+), "
+                      r"test_acc (\S+), checkpoint (\S+), global step (\d+)", outs[0])
+        assert m, outs[0][-3000:]
+        return m
+
+    for i in range(2):
+        (tmp_path / f"node{i}").mkdir()
+    try:
+        with two_hosts() as hosts:
+            first = job(hosts, "--epochs", "1")
+            ckpt = first.group(4)
+            assert ckpt.startswith(str(tmp_path / "node0")) and os.path.exists(ckpt)
+            assert not list((tmp_path / "node1").iterdir())
+            # resume from a file that only node 0 has: rank 0 reads it, the others get it
+            second = job(hosts, "--epochs", "2", "--resume", ckpt)
     except NetnsUnavailable as e:
         pytest.skip(str(e))
-    finally:
-        for p in procs:
-            kill_group(p.pid)
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
-    m = re.search(r"strategy ddp_pyddp on 2 ranks: train_loss (\S+), val_acc (\S+), "
-                  r"test_acc (\S+), checkpoint (\S+)", outs[0])
-    assert m, outs[0][-3000:]
-    assert float(m.group(3)) > 0.8, m.group(0)
-    assert m.group(4).startswith(str(tmp_path / "node0")) and os.path.exists(m.group(4))
+    assert float(first.group(3)) > 0.8, first.group(0)
+    steps = int(first.group(5))
+    assert steps == 4096 // 2 // 64 and int(second.group(5)) == 2 * steps, second.group(0)
     assert not list((tmp_path / "node1").iterdir())
