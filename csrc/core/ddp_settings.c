@@ -99,6 +99,10 @@ static const ddp_setting_decl table[] = {
      "`1` makes DistributedDataParallel use its generic bucket path (copies by the array "
      "library, all-reduce through the process group) instead of the C path, as it does for "
      "GPU groups"},
+    {"PYDDP_DOCTOR_FAKE_VERSION", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
+     "`pkg=version[,pkg=version]`: the versions `python -m pyddp.doctor` reports for those "
+     "packages instead of the installed ones (`9.9` alone means pyddp's), to test its "
+     "version check"},
 };
 #define NSET (sizeof table / sizeof table[0])
 
