@@ -34,10 +34,10 @@ one-time rebuild of buckets in the order gradients arrived on rank 0.
 """
 import numpy as np
 
-from . import _C, _forensics
-from . import collectives as _coll
+from . import _C, _lean
 from ._nccl_backend import caller_stream
 from . import _arrays as A
+from ._errors import COLLECTIVE_FAILURES, raise_explained
 
 FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
 
@@ -177,9 +177,9 @@ class CPath(BucketEngine):
     def ready(self, i, grad, copy_back):
         # A contiguous CPU torch tensor goes by address (the lean path's test): no
         # NumPy view or DLPack capsule per gradient.
-        if type(grad) is _coll._torch_tensor or (_coll._torch_tensor is None and grad is not
-                                                  None and _coll._torch_code(grad) is not None):
-            code = _coll._torch_code(grad)
+        if type(grad) is _lean._torch_tensor or (_lean._torch_tensor is None and grad is not
+                                                 None and _lean.torch_code(grad) is not None):
+            code = _lean.torch_code(grad)
             if code is not None:
                 self._c.ready(i, grad, copy_back, grad.data_ptr(), grad.numel(), code)
                 return
@@ -443,11 +443,8 @@ class GradSync:
             track = self.dynamic_unused or first_static
             try:
                 used = self.engine.finish(track)
-            except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
-                extra = _forensics.explain(self._group, e) if self._group is not None else None
-                if extra:
-                    raise type(e)(f"{e}\n{extra}") from None
-                raise
+            except COLLECTIVE_FAILURES as e:
+                raise_explained(self._group, e)
             if first_static:
                 self._static_expected = self.hooks.counts()
                 self._static_used = used

@@ -24,11 +24,10 @@ import threading
 
 import numpy as np
 
-from . import _C, _env, _group, _nccl_backend
+from . import _C, _env, _nccl_backend, _rendezvous
 from ._version import __version__
 
 FAKE_VERSION_ENV = "PYDDP_DOCTOR_FAKE_VERSION"   # for tests: "pkg=version[,pkg=version]"
-DOCTOR_ENV = (FAKE_VERSION_ENV,)                 # PYDDP_* names that are not settings
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -100,7 +99,7 @@ def versions():
         torch = "-"
     v = {"pyddp": __version__, "torch": torch, "numpy": np.__version__,
          "python": platform.python_version()}
-    for part in filter(None, os.environ.get(FAKE_VERSION_ENV, "").split(",")):
+    for part in filter(None, (_C.setting_text(FAKE_VERSION_ENV) or "").split(",")):
         pkg, _, ver = part.rpartition("=")
         v[pkg.strip() or "pyddp"] = ver.strip()
     return v
@@ -112,7 +111,7 @@ def advertise(master, timeout):
     when init_process_group would fail: a bad PYDDP_SOCKET_IFNAME). master: the
     master's host, resolved here with a bound and handed to _env.advertise_address as
     a number, so that the C route lookup never waits on DNS."""
-    ifname = os.environ.get("PYDDP_SOCKET_IFNAME")
+    ifname = _env.socket_ifname()
     out = {"addr": "", "iface": "", "how": "", "fallback": False, "error": ""}
     target, why = None, "no master known"
     if master and not ifname:
@@ -238,7 +237,7 @@ def settings():
     return {"set": {k: "(set, hidden)" if k == "PYDDP_AUTH_TOKEN" else v
                     for k, v in os.environ.items() if k in known and v != ""},
             "unknown": sorted(k for k in os.environ if k.startswith("PYDDP_")
-                              and k not in known and k not in DOCTOR_ENV),
+                              and k not in known),
             "errors": errors, "small_bytes": _C.setting("PYDDP_SMALL_BYTES"),
             "shm_disable": bool(_C.setting("PYDDP_SHM_DISABLE")),
             "ring_bytes": _C.setting("PYDDP_SHM_RING_BYTES")}
@@ -249,6 +248,6 @@ def gather(master, timeout):
     None); timeout: the bound of each name lookup and of the single-copy probe."""
     return {"host": socket.gethostname(), "host_id": _env.host_identity(),
             "versions": versions(), "advertise": advertise(master, timeout),
-            "names": hostnames(timeout), "primary": _group._primary_address(),
+            "names": hostnames(timeout), "primary": _rendezvous._primary_address(),
             "shm_free": shm_free(),
             "cma": single_copy(max(timeout, 2.0)), "nccl": nccl(), "settings": settings()}

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 import pyddp as dist
+from pyddp import _C
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -337,8 +338,8 @@ def init_gloo(rank, world):
 def header(args, world, backends, stream, hosts):
     lines = [f"# pyddp.bench: {world} ranks on {hosts} host(s), dtype {args.datatype}, op "
              f"{args.op}, {args.rounds} rounds per size (median), host {socket.gethostname()}, "
-             f"{os.cpu_count()} CPUs, shm {'off' if os.environ.get('PYDDP_SHM_DISABLE') == '1' else 'on'}, "
-             f"nsocks {os.environ.get('PYDDP_NSOCKS_PERPEER') or 1}"]
+             f"{os.cpu_count()} CPUs, shm {'off' if _C.setting('PYDDP_SHM_DISABLE') else 'on'}, "
+             f"nsocks {_C.setting('PYDDP_NSOCKS_PERPEER')}"]
     if stream:
         lines.append(f"# single TCP stream rank {args.stream_peer} -> rank 0: {stream:.3f} GB/s")
     if "flat" in backends:

@@ -189,7 +189,7 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
     for r in results:
         assert r.returncode == 0 and "PASS" in r.stdout, r.output
         assert "without PYDDP_AUTH_TOKEN" not in r.stderr   # one host: no warning
-    from pyddp import _group
+    from pyddp import _group, _world
 
     class FakePG:
         size = 2
@@ -209,10 +209,10 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
                    {"emit": lambda self, rec: records.append(rec.getMessage())})()
     _group.log.addHandler(handler)
     try:
-        _group._warn_unauthenticated(FakeGroup())
+        _world._warn_unauthenticated(FakeGroup())
         assert len(records) == 1 and "spans 2 hosts" in records[0]
         monkeypatch.setenv("PYDDP_AUTH_TOKEN", "")     # deliberately empty: silenced
-        _group._warn_unauthenticated(FakeGroup())
+        _world._warn_unauthenticated(FakeGroup())
         assert len(records) == 1
     finally:
         _group.log.removeHandler(handler)
