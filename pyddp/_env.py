@@ -120,6 +120,11 @@ def resolve(init_method, rank, world_size) -> Rendezvous:
                f"and file:///path")
 
 
+def seconds(t) -> float:
+    """A timeout given as a timedelta or a number of seconds, in seconds."""
+    return t.total_seconds() if hasattr(t, "total_seconds") else float(t)
+
+
 def elastic_attempt():
     """(run id, restart count) of torchrun's attempt: TORCHELASTIC_RUN_ID ("none" when
     unset) and TORCHELASTIC_RESTART_COUNT (0 when unset), part of pyddp's key prefix."""

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from . import _C
 from ._group import _resolve
-from ._work import seconds
+from ._env import seconds
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):

@@ -37,15 +37,21 @@ core as they are). torch's semantics kept here:
 import torch
 import torch.distributed as dist
 
-from . import _C, _lean
+from . import _C
 from . import collectives as C
-from ._errors import raise_as_torch
+from ._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
 from ._torch_work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
     future_for
 
 _PG = _C.ProcessGroup
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+# torch dtype -> the core's DT_* code, for the dtypes the core takes by address
+_DT = {getattr(torch, n): getattr(_C, "DT_" + n.upper()) for n in
+       ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
 
 _RedOpType = dist.ReduceOp.RedOpType
+_SUM = _RedOpType.SUM       # opts.reduceOp == _SUM is the cheap test (ReduceOp.__eq__)
 _OPS = {_RedOpType.SUM: C.ReduceOp.SUM, _RedOpType.AVG: C.ReduceOp.AVG,
         _RedOpType.MIN: C.ReduceOp.MIN, _RedOpType.MAX: C.ReduceOp.MAX,
         _RedOpType.PRODUCT: C.ReduceOp.PRODUCT}
@@ -63,6 +69,15 @@ def _reduce_op(op):
         f"the pyddp backend does not support ReduceOp.{getattr(kind, 'name', kind)}; it "
         f"supports SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM. For bool tensors use MAX "
         f"for logical or and MIN for logical and.")
+
+
+def _raise_explained_as_torch(g, e):
+    """Raise e, a blocking collective's failure on group g, with the straggler report
+    (``_errors.raise_explained``), as torch's error."""
+    try:
+        raise_explained(g, e)
+    except Exception as x:
+        raise_as_torch(x)
 
 
 def _scaled(t, factor):
@@ -105,6 +120,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     def __init__(self, handle, rank, size, ranks, timeout, on_shutdown=None):
         super().__init__(rank, size)
         self._handle = handle
+        self._timeout_ms = int(handle._timeout_s * 1000)   # the core's, for the thin path
         self._ranks = list(ranks)
         self._timeout = timeout
         self._on_shutdown = on_shutdown
@@ -189,28 +205,43 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def _thin(self, kind, t, op, root, opts):
         """The thin path of a call of kind (COLL_*) on one tensor t (None: barrier), op a
-        pyddp ReduceOp and root a group rank: the torch Work of an asynchronous call,
+        ReduceOp code and root a group rank: the torch Work of an asynchronous call,
         None once a blocking one (``opts.asyncOp`` False) is done, or NotImplemented,
         with nothing sent, when t needs the general path (not an exact, contiguous,
-        non-empty CPU torch.Tensor of a dtype the core takes; another process-group
-        type). A failure raises as torch's error."""
+        non-empty CPU torch.Tensor of a dtype the core takes; a destroyed group). A
+        failure raises as torch's error, a blocking collective's with the straggler
+        report. Every test here is on the hot path of torch's blocking calls: keep it
+        to attribute reads."""
         g = self._handle
         pg = g._pg
-        if pg is None or type(pg) is not _PG:
+        if type(pg) is not _PG:
             return NotImplemented
-        if t is not None:
-            code = _lean.torch_code(t)
-            if code is None or type(t) is not _lean._torch_tensor:
+        if t is None:
+            ptr = n = 0
+            code = _C.DT_UINT8
+        else:
+            if type(t) is not _Tensor or not t.is_cpu:
+                return NotImplemented
+            code = _DT.get(t.dtype)
+            if code is None or t.layout is not _STRIDED or not t.is_contiguous():
                 return NotImplemented
             n = t.numel()
             if not n:
                 return NotImplemented
+            ptr = t.data_ptr()
+        tmo = self._timeout_ms
+        if opts is not None and not opts.asyncOp:
+            # torch's blocking wrapper, which would wait at once: run it to the end here
+            # (the lean path: inline when small and nothing is queued)
+            try:
+                pg.run(kind, ptr, op, root, tmo, n, code)
+            except COLLECTIVE_FAILURES as e:
+                _raise_explained_as_torch(g, e)
+            except Exception as e:
+                raise_as_torch(e)
+            return None
         try:
-            if not getattr(opts, "asyncOp", True):
-                # torch's blocking wrapper, which would wait at once: run it here
-                return None if _lean.run(g, kind, t, op, root) else NotImplemented
-            buf = None if t is None else (t, t.data_ptr(), n, code)
-            w = pg.submit(kind, buf, None, op, root, int(g._timeout_s * 1000))
+            w = pg.submit(kind, None if t is None else (t, ptr, n, code), None, op, root, tmo)
         except Exception as e:
             raise_as_torch(e)
         fut = _Future()
@@ -221,7 +252,11 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     # -- reductions -----------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        rop = opts.reduceOp if opts is not None else _SUM
+        if rop == _SUM:
+            op, factor = C.ReduceOp.SUM, None
+        else:
+            op, factor = _reduce_op(rop)
         if factor is not None:
             with torch.no_grad():
                 for t in tensors:

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ._env import seconds
 from ._errors import raise_as_torch, torch_error
-from ._work import seconds
 
 _LOCK = threading.Lock()        # a future's _chained / _completing, for every future
 
@@ -169,11 +169,7 @@ class _One:
             self._left.pop()
         except IndexError:
             return
-        err = self.work.exception()
-        if err is None:
-            self.fut.set_result(self.result)
-        else:
-            self.fut.set_exception(torch_error(err))
+        _settle(self.fut, self.work.exception(), self.result)
 
 
 class _Completion:
@@ -224,10 +220,21 @@ class _Completion:
                 self.post()
             except Exception as e:  # noqa: BLE001 - reported through the future
                 err = e
+        _settle(self.fut, err, self.result)
+
+
+def _settle(fut, err, result):
+    """Complete fut with result, or with err (pyddp's) as torch's exception. Should that
+    fail, fut gets the failure instead: a future left pending would hang its waiter
+    (DDP's end of backward) for good."""
+    try:
         if err is None:
-            self.fut.set_result(self.result)
+            fut.set_result(result)
         else:
-            self.fut.set_exception(torch_error(err))
+            fut.set_exception(torch_error(err))
+    except Exception as e:  # noqa: BLE001 - the waiter must wake
+        if not fut.done():
+            fut.set_exception(e)
 
 
 def future_for(tensors):

@@ -9,12 +9,8 @@ collective's error is raised by ``wait()`` with the straggler report
 """
 import threading
 
+from ._env import seconds
 from ._errors import COLLECTIVE_FAILURES, raise_explained
-
-
-def seconds(t):
-    """A timeout (timedelta or number of seconds) in seconds."""
-    return t.total_seconds() if hasattr(t, "total_seconds") else float(t)
 
 
 class Work:
