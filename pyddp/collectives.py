@@ -19,7 +19,7 @@ from . import _arrays as A
 from ._group import _resolve, timeout_ms
 from ._monitored_barrier import monitored_barrier  # noqa: F401 - part of this API
 from ._nccl_backend import caller_stream
-from ._work import Joined, Work
+from ._work import Joined as _Joined, Work
 
 
 class ReduceOp(enum.IntEnum):
@@ -241,7 +241,7 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
         works.append(_run(g, _C.COLL_ALLREDUCE, flat, None, opc, 0, True,
                           functools.partial(A.unpack_ragged, members, flat),
                           "all_reduce_coalesced"))
-    w = Joined(works)
+    w = _Joined(works)
     if async_op:
         return w
     w.wait()

@@ -37,7 +37,7 @@ from . import _C, _env, _group, _rendezvous, _world
 from . import collectives as C
 from ._errors import raise_as_torch
 from ._torch_pg import ProcessGroupPyddp
-from ._torch_work import PyddpWork, _Completion, future_for
+from ._torch_work import PyddpWork, _Completion, future_for as _future_for
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
 
@@ -228,7 +228,7 @@ def _batch_isend_irecv(orig):
             raise_as_torch(e)
         # pyddp completes the whole batch at once; torch hands out one Work per op
         tensors = [op.tensor for op in p2p_op_list]
-        fut = future_for(tensors)
+        fut = _future_for(tensors)
         comp = _Completion(fut, works, tensors)
         return [PyddpWork(fut, comp) for _ in p2p_op_list]
     batch_isend_irecv._pyddp_orig = orig
