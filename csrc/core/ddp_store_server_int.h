@@ -67,6 +67,16 @@ int ddp_store_grow_conns(ddp_store_server *srv);
 int ddp_store_handle(ddp_store_server *srv, ddp_store_conn *c, const unsigned char *p,
                      size_t n, size_t *used);
 
+/* One server round's work on c's buffered input: while c has not
+ * authenticated, the token handshake's next step (the caller buffers no
+ * more than that step's bytes: query, magic and nonce, then the proof);
+ * then every complete request, through ddp_store_handle. Answers are
+ * queued on c->out (the few sent before a drop go out on c->fd at once).
+ * Returns -1 if the connection must be dropped (a failed or garbled
+ * handshake, a bad request, out of memory), else 0. Called by the server
+ * thread, and by tests/fuzz/fuzz_store_auth.c on arbitrary bytes. */
+int ddp_store_conn_process(ddp_store_server *srv, ddp_store_conn *c);
+
 /* Forget c's pending WAIT, removing it from the waiter index. */
 void ddp_store_conn_clear_wait(ddp_store_server *srv, ddp_store_conn *c);
 
