@@ -27,8 +27,6 @@ import numpy as np
 from . import _C, _env, _group, _nccl_backend
 from ._version import __version__
 
-FAKE_VERSION_ENV = "PYDDP_DOCTOR_FAKE_VERSION"   # for tests: "pkg=version[,pkg=version]"
-DOCTOR_ENV = (FAKE_VERSION_ENV,)                 # PYDDP_* names that are not settings
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -100,7 +98,7 @@ def versions():
         torch = "-"
     v = {"pyddp": __version__, "torch": torch, "numpy": np.__version__,
          "python": platform.python_version()}
-    for part in filter(None, os.environ.get(FAKE_VERSION_ENV, "").split(",")):
+    for part in filter(None, (_C.setting("PYDDP_DOCTOR_FAKE_VERSION") or "").split(",")):
         pkg, _, ver = part.rpartition("=")
         v[pkg.strip() or "pyddp"] = ver.strip()
     return v
@@ -238,7 +236,7 @@ def settings():
     return {"set": {k: "(set, hidden)" if k == "PYDDP_AUTH_TOKEN" else v
                     for k, v in os.environ.items() if k in known and v != ""},
             "unknown": sorted(k for k in os.environ if k.startswith("PYDDP_")
-                              and k not in known and k not in DOCTOR_ENV),
+                              and k not in known),
             "errors": errors, "small_bytes": _C.setting("PYDDP_SMALL_BYTES"),
             "shm_disable": bool(_C.setting("PYDDP_SHM_DISABLE")),
             "ring_bytes": _C.setting("PYDDP_SHM_RING_BYTES")}

@@ -92,6 +92,10 @@ static const ddp_setting_decl table[] = {
     {"PYDDP_DUMP_ON_SIGNAL", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1`: `SIGUSR1` prints this process's flight record (its last 64 collectives) on "
      "stderr, as `pyddp.dump_flight_record()` does"},
+    {"PYDDP_DOCTOR_FAKE_VERSION", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
+     "`pkg=version[,pkg=version]`: the versions `python -m pyddp.doctor` reports and "
+     "compares across ranks, overridden (to try the mismatch report); `9.9` alone means "
+     "pyddp's"},
     {"PYDDP_DEBUG_FORENSICS", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1`: say on stderr why a straggler report or a first-failure note could not be "
      "made (the store was gone, a request failed)"},
