@@ -214,7 +214,8 @@ def test_command_lines_name_real_scripts_and_options():
         script, rest = None, []
         for i, w in enumerate(words):
             if w.endswith((".py", ".sh")) and not w.startswith("-"):
-                script, rest = os.path.join(ROOT, w), words[i + 1:]
+                if "/" in w:                 # a bare train.py is the user's own script
+                    script, rest = os.path.join(ROOT, w), words[i + 1:]
                 break
             if w == "-m" and i + 1 < len(words) and words[i + 1].startswith("pyddp."):
                 script = os.path.join(ROOT, *words[i + 1].split(".")) + ".py"
