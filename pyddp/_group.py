@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 
-from . import _C, _env, _forensics
+from . import _C, _env, _exit, _forensics
 from ._version import __version__
 from .store import TCPStore
 
@@ -314,6 +314,7 @@ def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
                          int(timeout_s * 1000), __version__, _env.host_identity())
     g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+    _exit.track(g)           # pending work at exit gets PYDDP_EXIT_WAIT, then an abort
     g._advertise = advertise
     g._by_route = not os.environ.get("PYDDP_SOCKET_IFNAME") and bool(master_addr)
     if world_size > 1:

@@ -284,6 +284,14 @@ void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
     pthread_mutex_unlock(&root->mu);
 }
 
+int ddp_comm_pending(ddp_comm *c) {
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    int n = root->destroyed ? 0 : atomic_load(&root->queued) + root->running;
+    pthread_mutex_unlock(&root->mu);
+    return n;
+}
+
 void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix) {
     ddp_comm *root = c->root;
     char *p = strdup(prefix ? prefix : "");

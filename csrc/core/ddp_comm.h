@@ -149,6 +149,10 @@ size_t ddp_comm_flight(ddp_comm *c, ddp_flight_entry *out, size_t max);
  * (zeroed if none). Thread-safe. */
 void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
                        ddp_flight_entry *last_done);
+/* How many collectives or point-to-point works are queued or running on c's
+ * communicator (every group over it) right now; 0 once it was destroyed.
+ * Thread-safe. */
+int ddp_comm_pending(ddp_comm *c);
 /* When a collective of any group of c times out, before the communicator
  * breaks, its worker announces it in the store s (retained) under prefix:
  * ADD "<prefix>/stuck_n" 1 -> i, then SET "<prefix>/stuck/<i>" to

@@ -29,6 +29,11 @@ static const ddp_setting_decl table[] = {
     {"PYDDP_TIMEOUT", DDP_SETTING_SECONDS, "1800", 1800, 0, NOMAX, 0,
      "seconds; bounds every wait (store connection, rendezvous, each collective) unless "
      "`init_process_group(timeout=...)` is given", ALL},
+    {"PYDDP_EXIT_WAIT", DDP_SETTING_SECONDS, "10", 10, 0, NOMAX, 0,
+     "seconds a process that exits without `destroy_process_group()` waits for collectives "
+     "it still has queued or running (an `async_op=True` handle never waited for, say) "
+     "before it aborts them, so that it ends and its peers fail at once instead of waiting "
+     "for the timeout (see [design.md](design.md#failure-handling))", "CPU transport"},
     {"PYDDP_SOCKET_IFNAME", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "network interface whose address this rank advertises to its peers (e.g. `eth1`). "
      "Without it pyddp uses the local address that routes to `MASTER_ADDR`, which is right "

@@ -601,6 +601,8 @@ static PyMethodDef pg_methods[] = {
     {"peer", (PyCFunction)ddp_py_pg_peer, METH_VARARGS, "peer(rank) -> (description, host_id)"},
     {"flight_record", (PyCFunction)ddp_py_pg_flight_record, METH_NOARGS,
      "flight_record() -> [dict]: the last 64 collectives of this process's communicator"},
+    {"pending", (PyCFunction)ddp_py_pg_pending, METH_NOARGS,
+     "pending() -> works queued or running on this group's communicator (0 once destroyed)"},
     {"progress", (PyCFunction)ddp_py_pg_progress, METH_NOARGS,
      "progress() -> {submitted, completed, last_done, tag} of this group"},
     {"set_stall_store", (PyCFunction)ddp_py_pg_set_stall_store, METH_VARARGS,

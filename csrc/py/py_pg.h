@@ -44,6 +44,7 @@ PyObject *ddp_py_pg_peer(PGObject *self, PyObject *args);
 PyObject *ddp_py_pg_transport(PGObject *self, PyObject *args);
 PyObject *ddp_py_pg_flight_record(PGObject *self, PyObject *unused);
 PyObject *ddp_py_pg_progress(PGObject *self, PyObject *unused);
+PyObject *ddp_py_pg_pending(PGObject *self, PyObject *unused);
 PyObject *ddp_py_pg_set_stall_store(PGObject *self, PyObject *args);
 
 #endif

@@ -1,7 +1,8 @@
 /* py_pg_info.c - what a pyddp._C.ProcessGroup can tell about itself without
  * communicating: its peers and the transport to each, the flight record and
- * progress counters of its communicator (csrc/core/ddp_flight.h), and where
- * a timeout is announced (the stall store, used by pyddp/_forensics.py).
+ * progress counters of its communicator (csrc/core/ddp_flight.h), the work
+ * still pending on it (pyddp/_exit.py), and where a timeout is announced
+ * (the stall store, used by pyddp/_forensics.py).
  */
 #include "py_common.h"
 
@@ -58,6 +59,10 @@ PyObject *ddp_py_pg_flight_record(PGObject *self, PyObject *unused) {
         PyList_SET_ITEM(out, (Py_ssize_t)i, d);
     }
     return out;
+}
+
+PyObject *ddp_py_pg_pending(PGObject *self, PyObject *unused) {
+    return PyLong_FromLong(self->comm ? ddp_comm_pending(self->comm) : 0);
 }
 
 PyObject *ddp_py_pg_progress(PGObject *self, PyObject *unused) {
