@@ -46,6 +46,7 @@ from ._nccl_backend import caller_stream
 from . import _arrays as A
 
 FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
+_READY, _SECOND, _TOO_MANY = _C.GRAD_READY, _C.GRAD_SECOND, _C.GRAD_TOO_MANY
 
 
 def dtype_name(x):
@@ -352,28 +353,30 @@ class GradSync:
         """Parameter i's gradient was accumulated: ask the rules, do what they say.
         Returns True for the first gradient of a synced iteration: the caller then makes
         finalize() run after backward."""
-        return self.act(i, self.hooks.on_grad(i, self.get_grad(i) is not None))
+        g = self.get_grad(i)
+        return self.act(i, self.hooks.on_grad(i, g is not None), g)
 
-    def act(self, i, verdict):
-        """Carry out the rules' verdict (GradHooks.on_grad's) on parameter i's gradient:
-        pre-mark a static graph's never-used parameters, hand the gradient to the engine,
-        or raise the error the rules found. Returns the verdict's `first`."""
+    def act(self, i, verdict, g=None):
+        """Carry out the rules' verdict (GradHooks.on_grad's) on parameter i's gradient g
+        (None: read it): pre-mark a static graph's never-used parameters, hand the
+        gradient to the engine, or raise the error the rules found. Returns the
+        verdict's `first`."""
         action, first, premark, count, expected = verdict
         if premark:
             for j in self.hooks.never_used():
                 self._ready(j)
-        if action == _C.GRAD_READY:
+        if action == _READY:
             try:
-                self._ready(i)
+                self._ready(i, g)
             except BaseException as e:
                 self.hook_failed(e)
                 raise
-        elif action == _C.GRAD_TOO_MANY:
+        elif action == _TOO_MANY:
             self._fail(f"DDP (static_graph=True): rank {self.rank}: parameter "
                        f"{self.names[i]!r} received {count} gradients in one "
                        f"backward pass but {expected} in the first "
                        f"iteration; the graph is not static, so use static_graph=False")
-        elif action == _C.GRAD_SECOND:
+        elif action == _SECOND:
             self._fail(f"DDP: rank {self.rank}: parameter {self.names[i]!r} received a second "
                        f"gradient in one backward pass (reentrant backward, e.g. activation "
                        f"checkpointing, or a parameter shared by modules run in separate "
@@ -392,9 +395,10 @@ class GradSync:
         """gradient_as_bucket_view applies to parameter i (its bucket has its dtype)."""
         return self.view_mode and not self.engine.converted[i]
 
-    def _ready(self, i):
-        """Parameter i's gradient is final: hand it to the engine."""
-        g = self.get_grad(i)
+    def _ready(self, i, g=None):
+        """Parameter i's gradient g (None: read it) is final: hand it to the engine."""
+        if g is None:
+            g = self.get_grad(i)
         if self._viewed(i):
             view = self.engine.views[i]
             self.engine.ready(i, g, False)

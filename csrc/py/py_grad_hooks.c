@@ -53,6 +53,7 @@ typedef struct {
     ddp_grad_rules *rules;
     size_t *idx;            /* [n] scratch for index lists */
     PyObject *reducer;      /* the _C.Reducer the rules note use in, or NULL */
+    ddp_reducer *core;      /* its core reducer (valid while reducer is held), or NULL */
     PyObject *act, *first, *failed, *tensor_type, *strided, *dtypes;
 } HooksObject;
 
@@ -94,6 +95,7 @@ static PyObject *hooks_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void hooks_drop(HooksObject *self) {
+    self->core = NULL;
     Py_CLEAR(self->reducer);
     Py_CLEAR(self->act);
     Py_CLEAR(self->first);
@@ -122,14 +124,22 @@ static int index_of(HooksObject *self, PyObject *arg, Py_ssize_t *i) {
     return 0;
 }
 
-/* The core reducer the rules note use in: NULL (and no error) when unset. */
-static ddp_reducer *core_of(HooksObject *self) {
-    return self->reducer ? ddp_py_reducer_core(self->reducer) : NULL;
-}
-
+/* (action, first, premark, count, expected), or NULL with an exception. */
 static PyObject *verdict_tuple(const ddp_grad_verdict *v) {
-    return Py_BuildValue("(iNNii)", (int)v->action, PyBool_FromLong(v->first),
-                         PyBool_FromLong(v->premark), (int)v->count, (int)v->expected);
+    PyObject *t = PyTuple_New(5);
+    if (t == NULL) return NULL;
+    PyObject *items[5] = {PyLong_FromLong(v->action), PyBool_FromLong(v->first),
+                          PyBool_FromLong(v->premark), PyLong_FromLong(v->count),
+                          PyLong_FromLong(v->expected)};
+    for (Py_ssize_t k = 0; k < 5; k++) {
+        if (items[k] == NULL) {
+            for (Py_ssize_t j = k + 1; j < 5; j++) Py_XDECREF(items[j]);
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, items[k]);
+    }
+    return t;
 }
 
 static PyObject *hooks_begin(HooksObject *self, PyObject *unused) {
@@ -137,20 +147,22 @@ static PyObject *hooks_begin(HooksObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *hooks_on_grad(HooksObject *self, PyObject *args) {
-    PyObject *idx;
-    int has_grad;
+static PyObject *hooks_on_grad(HooksObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t i;
-    if (!PyArg_ParseTuple(args, "Op", &idx, &has_grad) || index_of(self, idx, &i) < 0)
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "on_grad(i, has_grad) takes 2 arguments");
         return NULL;
+    }
+    int has_grad = PyObject_IsTrue(args[1]);
+    if (has_grad < 0 || index_of(self, args[0], &i) < 0) return NULL;
     ddp_grad_verdict v;
-    ddp_status st = ddp_grad_rules_on_grad(self->rules, core_of(self), (size_t)i, has_grad, &v);
+    ddp_status st = ddp_grad_rules_on_grad(self->rules, self->core, (size_t)i, has_grad, &v);
     if (st != DDP_OK) return ddp_py_raise(st, NULL);
     return verdict_tuple(&v);
 }
 
 static PyObject *hooks_end_backward(HooksObject *self, PyObject *unused) {
-    ddp_reducer *r = core_of(self);
+    ddp_reducer *r = self->core;
     if (r == NULL) {
         ddp_grad_rules_stop(self->rules);
         return ddp_py_raise(DDP_ERR_INVALID, "GradHooks.end_backward: no reducer set");
@@ -185,6 +197,7 @@ static PyObject *hooks_set_reducer(HooksObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Op", &reducer, &lean)) return NULL;
     if (reducer != Py_None && ddp_py_reducer_core(reducer) == NULL) return NULL;
     Py_XSETREF(self->reducer, reducer == Py_None || self->detached ? NULL : Py_NewRef(reducer));
+    self->core = self->reducer ? ddp_py_reducer_core(self->reducer) : NULL;
     self->lean = lean && self->reducer != NULL;
     Py_RETURN_NONE;
 }
@@ -202,7 +215,7 @@ static PyObject *hooks_hook(HooksObject *self, PyObject *arg);
 static PyMethodDef hooks_methods[] = {
     {"begin", (PyCFunction)hooks_begin, METH_NOARGS,
      "a synced backward is expected: counts to 0, no gradient yet"},
-    {"on_grad", (PyCFunction)hooks_on_grad, METH_VARARGS,
+    {"on_grad", (PyCFunction)(void (*)(void))hooks_on_grad, METH_FASTCALL,
      "on_grad(i, has_grad) -> (action, first, premark, count, expected): the rules' verdict"},
     {"end_backward", (PyCFunction)hooks_end_backward, METH_NOARGS,
      "end_backward() -> (outcome, indices, track_used): what the end of backward does"},
@@ -374,12 +387,11 @@ static PyObject *hook_call(HookObject *self, PyObject *const *args, size_t nargs
     HooksObject *h = self->hooks;
     Py_ssize_t i = self->i;
     /* Nothing to do: DDP is gone, or neither a synced backward nor use tracking. */
-    if (h->reducer == NULL || !ddp_grad_rules_listening(h->rules)) Py_RETURN_NONE;
-    ddp_reducer *core = ddp_py_reducer_core(h->reducer);
-    PyObject *grad = core ? PyObject_GetAttr(args[0], s_grad) : NULL;
+    if (h->core == NULL || !ddp_grad_rules_listening(h->rules)) Py_RETURN_NONE;
+    PyObject *grad = PyObject_GetAttr(args[0], s_grad);
     if (grad == NULL) return NULL;
     ddp_grad_verdict v;
-    ddp_status st = ddp_grad_rules_on_grad(h->rules, core, (size_t)i, grad != Py_None, &v);
+    ddp_status st = ddp_grad_rules_on_grad(h->rules, h->core, (size_t)i, grad != Py_None, &v);
     int done = 0;
     if (st == DDP_OK && v.action == DDP_GRAD_READY && !v.premark && h->lean)
         done = lean_ready(h, i, grad);
