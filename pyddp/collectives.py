@@ -152,29 +152,7 @@ _ndarray = A.np.ndarray
 _PG = _C.ProcessGroup
 _DT = {A.np.dtype(n): getattr(_C, "DT_" + n.upper()) for n in
        ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
-_torch_tensor = None        # torch.Tensor once seen (recognised by name, never imported)
-_torch_dt = {}              # torch dtype -> DT_* code, or None if unsupported
-_torch_strided = None
-
-
-def _torch_code(t):
-    """The DT_* code of a CPU torch tensor that the lean path may take, else None."""
-    global _torch_tensor, _torch_strided
-    if _torch_tensor is None:
-        tp = type(t)
-        if tp.__name__ != "Tensor" or not tp.__module__.startswith("torch"):
-            return None
-        import sys
-        _torch_strided = sys.modules["torch"].strided
-        _torch_tensor = tp
-    code = _torch_dt.get(t.dtype, False)
-    if code is False:
-        name = str(t.dtype).rsplit(".", 1)[-1]
-        code = _torch_dt[t.dtype] = getattr(_C, "DT_" + name.upper(), None)
-    if code is None or not t.is_cpu or t.layout is not _torch_strided or \
-            not t.is_contiguous():
-        return None
-    return code
+_torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 
 
 def _lean(g, kind, x, op, root, what):
@@ -191,14 +169,12 @@ def _lean(g, kind, x, op, root, what):
             r = pg.run(kind, x, op, root, timeout_ms(g))
         elif x is None:
             r = pg.run(kind, None, op, root, timeout_ms(g))
-        elif tp is _torch_tensor or (_torch_tensor is None and _torch_code(x) is not None):
-            code = _torch_code(x)
+        else:
+            code = _torch_cpu_code(x)
             n = x.numel() if code is not None else 0
             if not n:
                 return False
             r = pg.run(kind, x.data_ptr(), op, root, timeout_ms(g), n, code)
-        else:
-            return False
     except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
         # The collective failed (the wait itself has no timeout): as Work.wait does,
         # say who had not arrived if a peer's timeout caused it.

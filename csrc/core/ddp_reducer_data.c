@@ -14,7 +14,9 @@
  * float16 sum is never larger than the largest gradient (torch's
  * fp16_compress_hook divides first too); bfloat16 has float32's range, so
  * its buckets hold the gradients themselves and use AVG, and the narrowing
- * is a plain rounding rather than a correctly rounded division.
+ * is a plain rounding rather than a correctly rounded division. That rule
+ * is ddp_plan_bucket_rule's (ddp_reducer_plan.c), which the generic path
+ * asks too.
  */
 #include "ddp_reducer_int.h"
 
@@ -98,23 +100,12 @@ static ddp_status bucket_error(const ddp_reducer *r, ddp_status st, size_t b) {
                             ddp_dtype_name(p->bucket_dtype[b]));
 }
 
-/* 1 if bucket b narrows its gradients (they are reduced as a reduce dtype). */
-static int narrowed(const ddp_plan *p, size_t b) {
-    return p->bucket_grad_dtype[b] != p->bucket_dtype[b];
-}
-
-/* 1 if bucket b holds its gradients divided by the world size (float16). */
-static int predivided(const ddp_plan *p, size_t b) {
-    return narrowed(p, b) && p->bucket_dtype[b] == DDP_FLOAT16;
-}
-
 /* Launch buckets [first, first + count). Stops at the first failure, which
  * is remembered for finish and returned. */
 static ddp_status launch_range(ddp_reducer *r, size_t first, size_t count) {
     if (r->world == 1) return DDP_OK;   /* the average over one rank is the input */
     for (size_t b = first; b < first + count; b++) {
-        /* predivided slots hold gradient / world size already: their sum is the mean */
-        ddp_redop op = predivided(&r->plan, b) ? DDP_SUM : DDP_AVG;
+        ddp_redop op = ddp_plan_bucket_rule(&r->plan, b, r->world).op;
         ddp_status st = r->ops->launch(r->ctx, r->bufs[b], r->plan.bucket_numel[b],
                                        r->plan.bucket_dtype[b], op, &r->works[b]);
         if (st != DDP_OK) {
@@ -149,12 +140,12 @@ ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dty
     /* With one rank the averaged gradient equals the gradient, so a value
      * that would be copied back to where it came from need not move at all. */
     int stays = r->world == 1 && grad != NULL && copy_back == grad;
+    ddp_bucket_rule rule = ddp_plan_bucket_rule(p, b, r->world);
     if (!stays) {
         if (grad == NULL)
             memset(slot, 0, p->param_numel[i] * esz);
-        else if (narrowed(p, b))
-            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i],
-                            predivided(p, b) ? r->world : 1);
+        else if (rule.narrow)
+            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i], rule.divisor);
         else if (grad != slot)
             memcpy(slot, grad, p->param_numel[i] * esz);
     }
@@ -196,7 +187,7 @@ static ddp_status wait_one(ddp_reducer *r, void **h, size_t b, ddp_wait w, int r
 static void copy_back_bucket(ddp_reducer *r, size_t b, int track_used) {
     const ddp_plan *p = &r->plan;
     size_t esz = ddp_dtype_size(p->bucket_dtype[b]);
-    int widen = narrowed(p, b);
+    int widen = ddp_plan_bucket_rule(p, b, r->world).narrow;
     for (size_t k = p->bucket_begin[b]; k < p->bucket_begin[b + 1]; k++) {
         size_t i = p->members[k];
         if (r->copy_back[i] == NULL || (track_used && r->used_global[i] == 0)) continue;

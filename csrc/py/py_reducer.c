@@ -7,7 +7,10 @@
  *     reduced in that dtype: ddp_plan_buckets_as).
  *   layout() -> (buckets, param_bucket, param_offset), buckets being
  *     [(members, numel, dtype name, device key)], for allocating them (the
- *     dtype is the bucket's own, the reduce dtype for narrowed buckets).
+ *     dtype is the bucket's own, the reduce dtype for narrowed buckets);
+ *     bucket_rules(world_size) -> [(narrow, divisor, op)], how each bucket is
+ *     filled and all-reduced (ddp_plan_bucket_rule; the plan's face is
+ *     py_reducer_plan.c).
  *   Bookkeeping (both paths): begin(), mark_ready(i) -> (first, count),
  *     note_used(i), unready(), arrival(), local_used(), end().
  *   CPU data path: attach(pg, buckets) with a _C.ProcessGroup (or None for
@@ -27,8 +30,8 @@
 
 #include <string.h>
 #include "ddp_comm.h"
-#include "ddp_reducer.h"
 #include "py_array.h"
+#include "py_reducer.h"
 
 /* Copies at least this large run with the GIL released. */
 #define RELEASE_GIL_BYTES (64 * 1024)
@@ -44,40 +47,6 @@ typedef struct {
 
 static PyTypeObject *ReducerType;
 
-static int dtype_from_name(PyObject *name, ddp_dtype *out) {
-    const char *s = PyUnicode_AsUTF8(name);
-    if (s == NULL) return -1;
-    for (int t = 0; t < DDP_DTYPE_COUNT; t++)
-        if (strcmp(s, ddp_dtype_name((ddp_dtype)t)) == 0) {
-            *out = (ddp_dtype)t;
-            return 0;
-        }
-    PyErr_Format(PyExc_TypeError, "DDP: unsupported parameter dtype %R", name);
-    return -1;
-}
-
-/* Read a sequence of Python ints into a new size_t array (PyMem). */
-static size_t *size_array(PyObject *seq, size_t n, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL) return NULL;
-    if ((size_t)PySequence_Fast_GET_SIZE(fast) != n) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zu", what,
-                     PySequence_Fast_GET_SIZE(fast), n);
-        Py_DECREF(fast);
-        return NULL;
-    }
-    size_t *out = PyMem_Calloc(n ? n : 1, sizeof *out);
-    for (size_t i = 0; out && i < n; i++) {
-        out[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)i));
-        if (out[i] == (size_t)-1 && PyErr_Occurred()) {
-            PyMem_Free(out);
-            out = NULL;
-        }
-    }
-    Py_DECREF(fast);
-    return out;
-}
-
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"params", "first_cap_bytes", "cap_bytes", "order", "reduce_dtype",
                              NULL};
@@ -86,45 +55,20 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Onn|OO", kwlist, &params, &first_cap, &cap,
                                      &order_obj, &reduce_obj))
         return NULL;
-    ddp_dtype reduce = DDP_REDUCE_NATIVE;
-    if (reduce_obj != Py_None && dtype_from_name(reduce_obj, &reduce) < 0) return NULL;
-    if (first_cap <= 0 || cap <= 0)
-        return ddp_py_raise(DDP_ERR_INVALID, "bucket caps must be positive: check that "
-                            "bucket_cap_mb > 0");
-    PyObject *fast = PySequence_Fast(params, "params must be a sequence");
-    if (fast == NULL) return NULL;
-    size_t n = (size_t)PySequence_Fast_GET_SIZE(fast);
-    ddp_plan_param *ps = PyMem_Calloc(n ? n : 1, sizeof *ps);
-    size_t *order = NULL;
-    ReducerObject *self = NULL;
-    if (ps == NULL) { PyErr_NoMemory(); goto done; }
-    for (size_t i = 0; i < n; i++) {
-        PyObject *name;
-        Py_ssize_t numel;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)i), "nOi;params "
-                              "entries are (numel, dtype name, device key)", &numel, &name,
-                              &ps[i].device) ||
-            dtype_from_name(name, &ps[i].dtype) < 0)
-            goto done;
-        ps[i].numel = (size_t)numel;
-    }
-    if (order_obj != Py_None && (order = size_array(order_obj, n, "order")) == NULL) goto done;
     ddp_plan plan;
-    ddp_status st = ddp_plan_buckets_as(ps, n, order, (size_t)first_cap, (size_t)cap, reduce,
-                                        &plan);
-    if (st != DDP_OK) { ddp_py_raise(st, NULL); goto done; }
-    self = (ReducerObject *)type->tp_alloc(type, 0);
-    if (self == NULL) { ddp_plan_free(&plan); goto done; }
-    st = ddp_reducer_create(&plan, &self->r);
+    if (ddp_py_plan_parse(params, first_cap, cap, order_obj, reduce_obj, &plan) < 0) return NULL;
+    size_t n = plan.nparams;
+    ReducerObject *self = (ReducerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        ddp_plan_free(&plan);
+        return NULL;
+    }
+    ddp_status st = ddp_reducer_create(&plan, &self->r);
     self->grads = PyMem_Calloc(n ? n : 1, sizeof *self->grads);
     if (st != DDP_OK || self->grads == NULL) {
         if (st != DDP_OK) ddp_py_raise(st, NULL); else PyErr_NoMemory();
         Py_CLEAR(self);
     }
-done:
-    PyMem_Free(ps);
-    PyMem_Free(order);
-    Py_DECREF(fast);
     return (PyObject *)self;
 }
 
@@ -194,41 +138,24 @@ static void reducer_dealloc(ReducerObject *self) {
     Py_DECREF(tp);
 }
 
-static PyObject *size_list(const size_t *v, size_t n) {
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; l && i < n; i++) {
-        PyObject *x = PyLong_FromSize_t(v[i]);
-        if (x == NULL) { Py_CLEAR(l); break; }
-        PyList_SET_ITEM(l, (Py_ssize_t)i, x);
-    }
-    return l;
-}
-
 /* Use flags and counts (never negative) as a list of ints. */
 static PyObject *int32_list(const int32_t *v, size_t n) {
     size_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
     if (tmp == NULL) return PyErr_NoMemory();
     for (size_t i = 0; i < n; i++) tmp[i] = (size_t)(v[i] > 0 ? v[i] : 0);
-    PyObject *l = size_list(tmp, n);
+    PyObject *l = ddp_py_size_list(tmp, n);
     PyMem_Free(tmp);
     return l;
 }
 
 static PyObject *reducer_layout(ReducerObject *self, PyObject *unused) {
-    const ddp_plan *p = ddp_reducer_plan(self->r);
-    PyObject *buckets = PyList_New((Py_ssize_t)p->nbuckets);
-    for (size_t b = 0; buckets && b < p->nbuckets; b++) {
-        PyObject *members = size_list(p->members + p->bucket_begin[b],
-                                      p->bucket_begin[b + 1] - p->bucket_begin[b]);
-        PyObject *t = members ? Py_BuildValue("(Nnsi)", members, (Py_ssize_t)p->bucket_numel[b],
-                                              ddp_dtype_name(p->bucket_dtype[b]),
-                                              p->bucket_device[b]) : NULL;
-        if (t == NULL) { Py_CLEAR(buckets); break; }
-        PyList_SET_ITEM(buckets, (Py_ssize_t)b, t);
-    }
-    if (buckets == NULL) return NULL;
-    return Py_BuildValue("(NNN)", buckets, size_list(p->param_bucket, p->nparams),
-                         size_list(p->param_offset, p->nparams));
+    return ddp_py_plan_layout(ddp_reducer_plan(self->r));
+}
+
+static PyObject *reducer_bucket_rules(ReducerObject *self, PyObject *args) {
+    int world;
+    if (!PyArg_ParseTuple(args, "i", &world)) return NULL;
+    return ddp_py_plan_bucket_rules(ddp_reducer_plan(self->r), world);
 }
 
 static PyObject *check_status(ddp_status st) {
@@ -280,7 +207,7 @@ static PyObject *index_list(ReducerObject *self,
     size_t *idx = PyMem_Malloc((n ? n : 1) * sizeof *idx);
     if (idx == NULL) return PyErr_NoMemory();
     size_t k = fill(self->r, idx, n);
-    PyObject *l = size_list(idx, k);
+    PyObject *l = ddp_py_size_list(idx, k);
     PyMem_Free(idx);
     return l;
 }
@@ -407,6 +334,12 @@ static int ready_checks(ReducerObject *self) {
     return check_comm(self);
 }
 
+ddp_reducer *ddp_py_reducer_core(PyObject *obj) {
+    if (PyObject_TypeCheck(obj, ReducerType)) return ((ReducerObject *)obj)->r;
+    ddp_py_raise(DDP_ERR_TYPE, "not a pyddp._C.Reducer");
+    return NULL;
+}
+
 PyObject *ddp_py_reducer_ready(PyObject *reducer, size_t i, PyObject *owner, void *ptr,
                                size_t count, int dtype, int copy_back) {
     if (!PyObject_TypeCheck(reducer, ReducerType))
@@ -523,6 +456,8 @@ static PyObject *reducer_get_nbuckets(ReducerObject *self, void *c) {
 static PyMethodDef reducer_methods[] = {
     {"layout", (PyCFunction)reducer_layout, METH_NOARGS,
      "layout() -> ([(members, numel, dtype, device)], param_bucket, param_offset)"},
+    {"bucket_rules", (PyCFunction)reducer_bucket_rules, METH_VARARGS,
+     "bucket_rules(world_size) -> [(narrow, divisor, op)]: how each bucket is reduced"},
     {"begin", (PyCFunction)reducer_begin, METH_NOARGS, "start a synced iteration"},
     {"end", (PyCFunction)reducer_end, METH_NOARGS, "end the iteration (bookkeeping only)"},
     {"mark_ready", (PyCFunction)reducer_mark_ready, METH_O,
