@@ -44,6 +44,10 @@ int ddp_py_array_import_stream(PyObject *obj, int writable, const char *argname,
 /* Release what ddp_py_array_import took. Safe on a zeroed struct. */
 void ddp_py_array_release(ddp_py_array *a);
 
+/* Release arrs[0..n) (zeroed entries are fine) and free the PyMem block
+ * arrs itself; NULL is a no-op. */
+void ddp_py_arrays_free(ddp_py_array *arrs, size_t n);
+
 /* Fill a collective's core arguments from its imported arrays a (input) and
  * b (output) by kind (ddp_coll.h's conventions), checking that they are
  * present where required and that sizes and dtypes agree; -1 with
