@@ -143,7 +143,7 @@ int ddp_py_run_inline(ddp_pg pg, const ddp_coll_args *a, int64_t timeout_ms) {
     int taken = 0;
     pg.ops->retain(pg.impl);   /* against a destroy() from a handler or another thread */
     ic.sc.ts = PyEval_SaveThread();
-    ddp_status st = ddp_pg_run_inline(pg, a, timeout_ms, &intr, &taken);
+    ddp_status st = pg.ops->run_inline(pg.impl, a, timeout_ms, &intr, &taken);
     PyEval_RestoreThread(ic.sc.ts);
     pg.ops->release(pg.impl);
     if (ic.sc.et != NULL) {

@@ -33,6 +33,7 @@ typedef struct ddp_py_call {
     int narrs;
     void *mem;
     int fill;              /* 1: fill ca from two[] by ca.kind, ca.root (after routing) */
+    int on_gpu;            /* the arrays are GPU memory: routed to NCCL, checked there */
     int has_stream;        /* the caller's CUDA stream (GPU arrays) */
     uintptr_t stream;
     long long timeout_ms;

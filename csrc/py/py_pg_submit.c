@@ -51,7 +51,7 @@ int ddp_py_pg_route(PGObject *self, int on_gpu, ddp_pg *out) {
 /* Before anything is submitted: GPU arrays on the transport's device, then
  * the core arguments from c->two (c->fill). 0, or -1 with an exception. */
 static int prepare(ddp_pg pg, ddp_py_call *c) {
-    if (pg.ops->device(pg.impl) >= 0) {
+    if (c->on_gpu) {
         if (c->arrs == NULL) {
             if (c->two[0].owner && ddp_py_nccl_check_array(pg, &c->two[0], "input") < 0)
                 return -1;
@@ -139,7 +139,7 @@ PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking) {
 /* submit(kind, a, b, op, root, timeout_ms, stream=None) -> Work */
 PyObject *ddp_py_pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"kind", "a", "b", "op", "root", "timeout_ms", "stream", NULL};
-    int kind, op = 0, root = 0, on_gpu;
+    int kind, op = 0, root = 0;
     PyObject *ao = Py_None, *bo = Py_None, *so = Py_None;
     long long timeout_ms = -1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "i|OOiiLO", kwlist, &kind, &ao, &bo, &op, &root,
@@ -154,10 +154,10 @@ PyObject *ddp_py_pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     c.ca.root = root;
     c.timeout_ms = timeout_ms;
     if (ddp_py_stream_arg(so, &c.has_stream, &c.stream) < 0 ||
-        ddp_py_call_import(&c, ao, bo, kind, &on_gpu) < 0)
+        ddp_py_call_import(&c, ao, bo, kind, &c.on_gpu) < 0)
         return NULL;
     ddp_pg pg;
-    if (ddp_py_pg_route(self, on_gpu, &pg) < 0) {
+    if (ddp_py_pg_route(self, c.on_gpu, &pg) < 0) {
         ddp_py_call_release(&c);
         return NULL;
     }

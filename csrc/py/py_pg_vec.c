@@ -73,10 +73,10 @@ PyObject *ddp_py_pg_alltoall(PGObject *self, PyObject *args) {
             ok = 0;
         }
     }
-    ok = ok && ddp_py_pg_route(self, arrs[0].device == DDP_DEV_CUDA || arrs[1].device == DDP_DEV_CUDA,
-                     &pg) == 0;
+    int on_gpu = (arrs[0].device == DDP_DEV_CUDA || arrs[1].device == DDP_DEV_CUDA);
+    ok = ok && ddp_py_pg_route(self, on_gpu, &pg) == 0;
     ddp_py_call c = {.arrs = arrs, .narrs = 2, .mem = mem, .has_stream = has_stream,
-                     .stream = stream, .timeout_ms = timeout_ms};
+                     .stream = stream, .timeout_ms = timeout_ms, .on_gpu = on_gpu};
     if (!ok) {
         ddp_py_call_release(&c);
         return NULL;
@@ -131,8 +131,8 @@ PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
     ddp_pg pg = {NULL, NULL};
     ok = ok && ddp_py_pg_route(self, on_gpu, &pg) == 0;
     /* entries not imported are zeroed (calloc): releasing them is a no-op */
-    ddp_py_call c = {.arrs = arrs, .narrs = (int)n, .mem = ops,
-                     .has_stream = has_stream, .stream = stream, .timeout_ms = timeout_ms};
+    ddp_py_call c = {.arrs = arrs, .narrs = (int)n, .mem = ops, .has_stream = has_stream,
+                     .stream = stream, .timeout_ms = timeout_ms, .on_gpu = on_gpu};
     if (!ok) {
         ddp_py_call_release(&c);
         return NULL;
