@@ -201,14 +201,16 @@ static PyObject *pg_set_cuda_factory(PGObject *self, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-/* End both transports (GIL released); safe to call twice. */
-static void pg_destroy_all(PGObject *self, int64_t nccl_ms) {
+/* End both transports through their tables (GIL released), each destroy
+ * bounded by ms (the CPU communicator's bounds itself by its deadlines);
+ * safe to call twice. */
+static void pg_destroy_all(PGObject *self, int64_t ms) {
     ddp_pg c = self->cpu, cu = self->cuda;
     memset(&self->cpu, 0, sizeof self->cpu);
     memset(&self->cuda, 0, sizeof self->cuda);
     Py_BEGIN_ALLOW_THREADS
-    if (cu.ops) cu.ops->destroy(cu.impl, ddp_wait_for(nccl_ms, NULL));
-    if (c.ops) c.ops->destroy(c.impl, ddp_wait_for(nccl_ms, NULL));
+    if (cu.ops) cu.ops->destroy(cu.impl, ddp_wait_for(ms, NULL));
+    if (c.ops) c.ops->destroy(c.impl, ddp_wait_for(ms, NULL));
     Py_END_ALLOW_THREADS
 }
 
