@@ -32,7 +32,8 @@
  * 3. The data path for buffers the CPU can read and write
  *    (ddp_reducer_data.c): copy each ready gradient into its bucket slot,
  *    launch each launchable bucket's averaged all-reduce through a small ops
- *    table (ddp_reducer_comm_ops queues it on a ddp_comm worker thread, so
+ *    table (ddp_reducer_pg_ops submits it through a process group's ddp_pg
+ *    table; the CPU communicator queues it on its worker thread, so
  *    communication overlaps the rest of backward), then at the end wait for
  *    all of them and copy the averages back into the gradient arrays.
  *
@@ -47,7 +48,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "ddp_clock.h"
-#include "ddp_comm.h"
+#include "ddp_pg.h"
 #include "ddp_dtype.h"
 #include "ddp_status.h"
 
@@ -279,8 +280,10 @@ typedef struct ddp_reducer_ops {
     void (*release)(void *ctx, void *handle);
 } ddp_reducer_ops;
 
-/* Ops over a communicator: ctx is a ddp_comm*. */
-extern const ddp_reducer_ops ddp_reducer_comm_ops;
+/* Ops over a process group: ctx is a ddp_pg* (borrowed: the caller keeps
+ * the ddp_pg, and a reference on its communicator, valid while attached).
+ * Each launch is a ddp_pg_submit with the communicator's default timeout. */
+extern const ddp_reducer_ops ddp_reducer_pg_ops;
 
 /* Give the reducer its bucket buffers (bufs[b] holds bucket_numel[b]
  * elements of bucket_dtype[b]; borrowed) and the ops that reduce them across

@@ -1,9 +1,10 @@
 /* ddp_reducer_data.c - the reducer's CPU data path (contract in
  * ddp_reducer.h): gradients are copied into bucket slots as they become
  * ready, each launchable bucket's averaged all-reduce is handed to the ops
- * table at once (for a communicator: queued on its worker thread, which runs
- * it while the caller's thread goes on with backward), and finish waits for
- * them in bucket order and copies the averages back.
+ * table at once (for a process group, ddp_reducer_pg_ops: submitted through
+ * its ddp_pg table; the CPU communicator queues it on its worker thread,
+ * which runs it while the caller's thread goes on with backward), and finish
+ * waits for them in bucket order and copies the averages back.
  *
  * Averaging is DDP_AVG: the collective sums across ranks and divides once at
  * the end, exactly as torch's DDP documents (sum, then divide by world size).
@@ -25,10 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- ops over a communicator ------------------------------------------ */
+/* ---- ops over a process group (ddp_pg.h) ------------------------------- */
 
-static ddp_status comm_launch(void *ctx, void *buf, size_t count, ddp_dtype t, ddp_redop op,
-                              void **handle) {
+/* Queue an in-place all-reduce on the ddp_pg at ctx; the handle is its work. */
+static ddp_status pg_launch(void *ctx, void *buf, size_t count, ddp_dtype t, ddp_redop op,
+                            void **handle) {
+    const ddp_pg *pg = ctx;
     ddp_coll_args a;
     memset(&a, 0, sizeof a);
     a.kind = DDP_COLL_ALLREDUCE;
@@ -36,31 +39,30 @@ static ddp_status comm_launch(void *ctx, void *buf, size_t count, ddp_dtype t, d
     a.op = op;
     a.count = count;
     a.buf = buf;
-    ddp_work *w = NULL;
-    ddp_status st = ddp_comm_submit((ddp_comm *)ctx, &a, -1, &w);
-    *handle = w;
+    ddp_pg_opts o = {.timeout_ms = -1};
+    ddp_pg_work w;
+    ddp_status st = ddp_pg_submit(*pg, &a, &o, &w);
+    *handle = st == DDP_OK ? w.w : NULL;
     return st;
 }
 
-static ddp_status comm_wait(void *ctx, void *handle, ddp_wait w, int *done) {
-    (void)ctx;
-    ddp_work *work = handle;
-    ddp_work_wait(work, w);
-    *done = ddp_work_done(work);
+static ddp_status pg_wait(void *ctx, void *handle, ddp_wait w, int *done) {
+    const ddp_pg_ops *ops = ((const ddp_pg *)ctx)->ops;
+    ops->work_wait(handle, w);
+    *done = ops->work_done(handle);
     if (!*done) return ddp_wait_aborted(w) ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT;
     /* Done: ask again with a zero wait so the status is the work's own, not
      * a slice that expired just as it finished. */
-    ddp_status st = ddp_work_wait(work, ddp_wait_for(0, NULL));
-    if (st != DDP_OK) ddp_set_error_text(ddp_work_error(work));
+    ddp_status st = ops->work_wait(handle, ddp_wait_for(0, NULL));
+    if (st != DDP_OK) ddp_set_error_text(ops->work_error(handle));
     return st;
 }
 
-static void comm_release(void *ctx, void *handle) {
-    (void)ctx;
-    ddp_work_release(handle);
+static void pg_release(void *ctx, void *handle) {
+    ((const ddp_pg *)ctx)->ops->work_release(handle);
 }
 
-const ddp_reducer_ops ddp_reducer_comm_ops = {comm_launch, comm_wait, comm_release};
+const ddp_reducer_ops ddp_reducer_pg_ops = {pg_launch, pg_wait, pg_release};
 
 /* ---- attach and slots -------------------------------------------------- */
 

@@ -1,7 +1,8 @@
 /* module.c - the pyddp._C extension module: multi-phase init that registers
- * the exception classes and every binding type defined in csrc/py. */
+ * the exception classes and every binding type defined in csrc/py (the
+ * process group's registration adds WIRE_VERSION: py_pg.c makes the CPU
+ * communicator). */
 #include "py_common.h"
-#include "ddp_comm.h"
 
 static int ddp_exec(PyObject *m) {
     if (ddp_py_errors_register(m) < 0) return -1;
@@ -12,7 +13,6 @@ static int ddp_exec(PyObject *m) {
     if (ddp_py_reducer_register(m) < 0) return -1;
     if (ddp_py_grad_hooks_register(m) < 0) return -1;
     if (ddp_py_settings_register(m) < 0) return -1;
-    if (PyModule_AddIntConstant(m, "WIRE_VERSION", DDP_WIRE_VERSION) < 0) return -1;
     return 0;
 }
 

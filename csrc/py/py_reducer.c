@@ -1,5 +1,7 @@
 /* py_reducer.c - pyddp._C.Reducer: the Python face of the gradient reducer
- * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it.
+ * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it. How it holds
+ * and uses its process group (attach, abort, the drain waits) is in
+ * py_reducer_pg.c.
  *
  * Reducer(params, first_cap_bytes, cap_bytes, order=None, reduce_dtype=None)
  *     params: sequence of (numel, dtype name, device key); plans the buckets.
@@ -29,21 +31,10 @@
 #include "py_common.h"
 
 #include <string.h>
-#include "ddp_comm.h"
-#include "py_array.h"
 #include "py_reducer.h"
 
 /* Copies at least this large run with the GIL released. */
 #define RELEASE_GIL_BYTES (64 * 1024)
-
-typedef struct {
-    PyObject_HEAD
-    ddp_reducer *r;
-    PyObject *pg;           /* the _C.ProcessGroup; NULL when unattached */
-    ddp_comm *comm;         /* a reference of our own: valid even after pg is destroyed */
-    ddp_py_array *buckets;  /* [nbuckets] imported bucket arrays */
-    ddp_py_array *grads;    /* [nparams] gradients held for this iteration */
-} ReducerObject;
 
 static PyTypeObject *ReducerType;
 
@@ -78,62 +69,15 @@ static void release_grads(ReducerObject *self) {
     for (size_t i = 0; i < n; i++) ddp_py_array_release(&self->grads[i]);
 }
 
-static int drain_slice(void *p, ddp_wait slice) {
-    return ddp_reducer_drain(((ReducerObject *)p)->r, slice) == DDP_OK;
-}
-
-static void abort_on_signal(void *p) {
-    ReducerObject *self = p;
-    if (self->comm) ddp_comm_abort(self->comm, "interrupted (Ctrl-C) during the DDP gradient "
-                                   "all-reduce");
-}
-
-/* Wait until every launched all-reduce finished, through the one wait loop
- * (GIL released, Ctrl-C aborts the group so the wait ends within moments).
- * 0, or -1 with the signal handler's exception set. */
-static int drain_blocking(ReducerObject *self) {
-    if (self->r == NULL || ddp_reducer_pending(self->r) == 0) {
-        if (self->r) ddp_reducer_drain(self->r, ddp_wait_for(0, NULL));
-        return 0;
-    }
-    return ddp_py_wait(drain_slice, self, -1, abort_on_signal) < 0 ? -1 : 0;
-}
-
-/* drain_blocking where no exception may be raised (dealloc, error paths):
- * an interrupt is re-delivered to the main thread, other errors reported. */
-static void drain_quietly(ReducerObject *self) {
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    if (drain_blocking(self) < 0) {
-        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            PyErr_Clear();
-            PyErr_SetInterrupt();
-        } else {
-            PyErr_WriteUnraisable((PyObject *)self);
-        }
-    }
-    PyErr_Restore(et, ev, tb);
-}
-
-static void release_buckets(ReducerObject *self) {
-    if (self->buckets == NULL) return;
-    size_t nb = ddp_reducer_plan(self->r)->nbuckets;
-    for (size_t b = 0; b < nb; b++) ddp_py_array_release(&self->buckets[b]);
-    PyMem_Free(self->buckets);
-    self->buckets = NULL;
-}
-
 static void reducer_dealloc(ReducerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->r) {
-        drain_quietly(self);   /* the worker may still use the buckets */
+        ddp_py_reducer_drain_quietly(self);   /* the worker may still use the buckets */
         release_grads(self);
-        release_buckets(self);
-        ddp_reducer_destroy(self->r);
     }
+    ddp_py_reducer_detach(self);
+    ddp_reducer_destroy(self->r);
     PyMem_Free(self->grads);
-    ddp_comm_release(self->comm);
-    Py_XDECREF(self->pg);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -230,77 +174,6 @@ static PyObject *reducer_global_used(ReducerObject *self, PyObject *unused) {
 
 /* ---- CPU data path ---------------------------------------------------- */
 
-static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
-    PyObject *pg, *arrays;
-    if (!PyArg_ParseTuple(args, "OO", &pg, &arrays)) return NULL;
-    if (ddp_reducer_in_iteration(self->r) || self->buckets != NULL)
-        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: already attached");
-    ddp_comm *comm = NULL;
-    int world = 1;
-    if (pg != Py_None) {
-        if ((comm = ddp_py_pg_comm_ref(pg)) == NULL) return NULL;
-        world = ddp_comm_size(comm);
-    }
-    const ddp_plan *p = ddp_reducer_plan(self->r);
-    PyObject *fast = PySequence_Fast(arrays, "buckets must be a sequence of arrays");
-    if (fast == NULL) {
-        ddp_comm_release(comm);
-        return NULL;
-    }
-    if ((size_t)PySequence_Fast_GET_SIZE(fast) != p->nbuckets) {
-        Py_DECREF(fast);
-        ddp_comm_release(comm);
-        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: wrong number of bucket arrays");
-    }
-    ddp_py_array *bk = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *bk);
-    void **ptrs = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *ptrs);
-    int ok = bk != NULL && ptrs != NULL;
-    if (!ok) PyErr_NoMemory();
-    for (size_t b = 0; ok && b < p->nbuckets; b++) {
-        ok = ddp_py_array_import(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)b), 1, "bucket",
-                                 &bk[b]) == 0;
-        if (ok && (bk[b].device != DDP_DEV_CPU || bk[b].dtype != p->bucket_dtype[b] ||
-                   bk[b].count != p->bucket_numel[b])) {
-            ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: a bucket array does not match the "
-                         "plan (CPU memory, dtype and element count)");
-            ok = 0;
-        }
-        if (ok) ptrs[b] = bk[b].ptr;
-    }
-    Py_DECREF(fast);
-    ddp_status st = ok ? ddp_reducer_attach(self->r, ptrs, &ddp_reducer_comm_ops, comm, world)
-                       : DDP_OK;
-    PyMem_Free(ptrs);
-    if (!ok || st != DDP_OK) {
-        for (size_t b = 0; bk && b < p->nbuckets; b++) ddp_py_array_release(&bk[b]);
-        PyMem_Free(bk);
-        ddp_comm_release(comm);
-        return ok ? ddp_py_raise(st, NULL) : NULL;
-    }
-    self->buckets = bk;
-    self->comm = comm;
-    Py_XINCREF(pg == Py_None ? NULL : pg);
-    self->pg = pg == Py_None ? NULL : pg;
-    Py_RETURN_NONE;
-}
-
-/* The process group must not have been destroyed (destroy_process_group() ends
- * it even while this Reducer, which keeps the memory alive by its reference,
- * still uses it). 0, or -1 with an exception. */
-static int check_comm(ReducerObject *self) {
-    if (self->pg == NULL) return 0;
-    PyObject *d = PyObject_GetAttrString(self->pg, "destroyed");
-    if (d == NULL) return -1;
-    int destroyed = PyObject_IsTrue(d);
-    Py_DECREF(d);
-    if (destroyed) {
-        ddp_py_raise(DDP_ERR_INVALID, "DDP: the process group this model was wrapped with "
-                     "was destroyed; wrap the model again after init_process_group()");
-        return -1;
-    }
-    return 0;
-}
-
 /* Hand gradient g (owned by the call: released or kept) of parameter i to
  * the C reducer; see ddp_py_reducer_ready in py_common.h. */
 static PyObject *ready_array(ReducerObject *self, size_t i, ddp_py_array g, int copy_back) {
@@ -331,7 +204,7 @@ static int ready_checks(ReducerObject *self) {
         ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: no buckets attached");
         return -1;
     }
-    return check_comm(self);
+    return ddp_py_reducer_check_pg(self);
 }
 
 ddp_reducer *ddp_py_reducer_core(PyObject *obj) {
@@ -397,9 +270,9 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "p", &track_used)) return NULL;
     if (self->buckets == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.finish: no buckets attached");
-    if (check_comm(self) < 0) {
+    if (ddp_py_reducer_check_pg(self) < 0) {
         /* Its work failed when the communicator went away: let go of it. */
-        drain_quietly(self);
+        ddp_py_reducer_drain_quietly(self);
         release_grads(self);
         return NULL;
     }
@@ -414,10 +287,10 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
         if (PyErr_CheckSignals() < 0) {
             /* Ctrl-C: break the group so our all-reduces (and the peers'
              * waits on us) end now, then let go of everything. */
-            abort_on_signal(self);
+            ddp_py_reducer_abort_on_signal(self);
             PyObject *et, *ev, *tb;
             PyErr_Fetch(&et, &ev, &tb);
-            drain_quietly(self);
+            ddp_py_reducer_drain_quietly(self);
             release_grads(self);
             PyErr_Restore(et, ev, tb);
             return NULL;
@@ -428,16 +301,9 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
 }
 
 static PyObject *reducer_drain(ReducerObject *self, PyObject *unused) {
-    int rc = drain_blocking(self);
+    int rc = ddp_py_reducer_drain_blocking(self);
     release_grads(self);
     if (rc < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *reducer_abort(ReducerObject *self, PyObject *args) {
-    const char *reason = "DDP failed on this rank";
-    if (!PyArg_ParseTuple(args, "|s", &reason)) return NULL;
-    if (self->comm) ddp_comm_abort(self->comm, reason);
     Py_RETURN_NONE;
 }
 
@@ -467,13 +333,13 @@ static PyMethodDef reducer_methods[] = {
     {"arrival", (PyCFunction)reducer_arrival, METH_NOARGS, "ready order of this iteration"},
     {"local_used", (PyCFunction)reducer_local_used, METH_NOARGS, "local use flags"},
     {"global_used", (PyCFunction)reducer_global_used, METH_NOARGS, "reduced use counts"},
-    {"attach", (PyCFunction)reducer_attach, METH_VARARGS, "attach(pg_or_None, buckets)"},
+    {"attach", (PyCFunction)ddp_py_reducer_attach, METH_VARARGS, "attach(pg_or_None, buckets)"},
     {"ready", (PyCFunction)reducer_ready, METH_VARARGS,
      "ready(i, grad_or_None, copy_back[, ptr, count, dtype]): copy into the bucket, launch "
      "full buckets (ptr, count, dtype: grad's memory, not imported)"},
     {"finish", (PyCFunction)reducer_finish, METH_VARARGS,
      "finish(track_used): wait for every bucket, copy averages back"},
-    {"abort", (PyCFunction)reducer_abort, METH_VARARGS,
+    {"abort", (PyCFunction)ddp_py_reducer_abort, METH_VARARGS,
      "abort(reason): break the attached process group (peers fail fast)"},
     {"drain", (PyCFunction)reducer_drain, METH_NOARGS,
      "wait for in-flight all-reduces and end the iteration without copying back"},

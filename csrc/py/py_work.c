@@ -62,8 +62,7 @@ static PyTypeObject *WorkType;
 enum { FIN_NOT = 0, FIN_BUSY = 1, FIN_DONE = 2 };
 
 static void release_arrays(WorkObject *w) {
-    for (int i = 0; i < w->narrs; i++) ddp_py_array_release(&w->arrs[i]);
-    PyMem_Free(w->arrs);
+    ddp_py_arrays_free(w->arrs, (size_t)w->narrs);
     PyMem_Free(w->mem);
     w->arrs = NULL;
     w->narrs = 0;
@@ -393,8 +392,7 @@ PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, in
     WorkObject *w = PyObject_New(WorkObject, WorkType);
     if (w == NULL) {
         drop_work(work);
-        for (int i = 0; i < narrs; i++) ddp_py_array_release(&arrs[i]);
-        PyMem_Free(arrs);
+        ddp_py_arrays_free(arrs, (size_t)narrs);
         PyMem_Free(mem);
         return NULL;
     }
