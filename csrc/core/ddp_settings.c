@@ -27,8 +27,10 @@
 
 static const ddp_setting_decl table[] = {
     {"PYDDP_TIMEOUT", DDP_SETTING_SECONDS, "1800", 1800, 0, NOMAX, 0,
-     "seconds; bounds every wait (store connection, rendezvous, each collective) unless "
-     "`init_process_group(timeout=...)` is given", ALL},
+     "seconds; bounds every wait (store connection, rendezvous, each collective). pyddp's "
+     "own `init_process_group(timeout=...)` wins over it; under torch's backend `\"pyddp\"` "
+     "(torch's `init_process_group`, Lightning, Accelerate), which always passes a timeout "
+     "of its own (30 min by default), a set `PYDDP_TIMEOUT` wins", ALL},
     {"PYDDP_EXIT_WAIT", DDP_SETTING_SECONDS, "10", 10, 0, NOMAX, 0,
      "seconds a process that exits without `destroy_process_group()` waits for collectives "
      "it still has queued or running (an `async_op=True` handle never waited for, say) "
