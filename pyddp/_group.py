@@ -302,7 +302,9 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
-    return _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    g = _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    _warn_unauthenticated(g)
+    return g
 
 
 def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
@@ -565,14 +567,21 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
               rdzv.world_size, _State.backend, prefix)
 
 
+_auth_warned = False
+
+
 def _warn_unauthenticated(g):
-    """One line when a job spans hosts without PYDDP_AUTH_TOKEN (an explicitly empty
-    PYDDP_AUTH_TOKEN= silences it): anyone who reaches its ports could join it."""
-    if "PYDDP_AUTH_TOKEN" in os.environ or os.environ.get("PYDDP_AUTH_TOKEN_FILE"):
+    """One line, once per process, on world rank 0, when a job spans hosts without
+    PYDDP_AUTH_TOKEN (an explicitly empty PYDDP_AUTH_TOKEN= silences it): anyone who
+    reaches its ports could join it. For pyddp's own init and torch's backend alike."""
+    global _auth_warned
+    if _auth_warned or "PYDDP_AUTH_TOKEN" in os.environ or \
+            os.environ.get("PYDDP_AUTH_TOKEN_FILE"):
         return
     pg = g.pg()
     hosts = {pg.peer(r)[1] for r in range(pg.size)}
-    if len(hosts) > 1 and _State.rank == 0:
+    if len(hosts) > 1 and g._world_rank == 0:
+        _auth_warned = True
         log.warning("pyddp: this job spans %d hosts without PYDDP_AUTH_TOKEN: any machine that "
                     "can reach its ports can join it or send it data (see docs/security.md; "
                     "set PYDDP_AUTH_TOKEN= empty to silence this)", len(hosts))
