@@ -104,7 +104,9 @@ def title(a, per_host, rate):
             f"{per_host} rank(s) per namespace")
 
 
-def main():
+def parse_args(argv=None):
+    """This script's options (argv: a list, default sys.argv[1:]); the Namespace that
+    one_job and title take (benchmarks/plots.py builds its jobs with it too)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-host", default="1",
                     help="ranks per namespace (1); a comma-separated list runs each")
@@ -127,7 +129,11 @@ def main():
     ap.add_argument("--reduce-dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("bench_args", nargs="*",
                     help="arguments for pyddp.bench, or ddp_step.py with --ddp-step (after --)")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    a = parse_args()
     per_hosts = [int(v) for v in a.per_host.split(",")]
     rates = a.rate.split(",") if a.rate else [None]
     try:

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 examples/train.py
     torchrun --standalone --nproc_per_node=2 examples/train.py --resume   # continue
+    torchrun --nproc_per_node=G ... examples/train.py --device cuda   # one GPU per process
 
 The script makes its own synthetic dataset (no downloads): noisy points around 10
 random class centres in 32 dimensions, split into a training and a test set that
@@ -19,6 +20,11 @@ It is an ordinary torch DDP script; only these three lines differ from one:
     import pyddp as dist                                  # torch.distributed
     from pyddp import DistributedDataParallel as DDP      # torch.nn.parallel
     from pyddp import DistributedSampler                  # torch.utils.data
+
+On GPU machines ``--device cuda`` puts each process on its own GPU (number
+``pyddp.cuda_device_for_local_rank()``, which is ``LOCAL_RANK``, as torch scripts do with
+``device_ids=[local_rank]``) and the gradients go through NCCL; ``--device auto`` takes
+the GPU where there is one and the CPU elsewhere, so the same line runs on both.
 
 The deprecated ``python -m torch.distributed.launch`` passes ``--local-rank``; it is
 accepted (and ignored: the rank comes from the environment either way).
@@ -48,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--test-samples", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default=None, help="cpu (alias gloo), nccl, or auto")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="where the model trains (auto: cuda if a GPU is visible)")
     p.add_argument("--checkpoint-dir", default="checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=1, help="epochs (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -122,35 +130,53 @@ def state_digest(model_state, opt_state):
     for _, st in sorted(opt_state["state"].items()):
         tensors += [v for _, v in sorted(st.items()) if torch.is_tensor(v)]
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def global_mean(total, count):
-    t = torch.tensor([total, count], dtype=torch.float64)
+def global_mean(total, count, device="cpu"):
+    t = torch.tensor([total, count], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return (t[0] / t[1]).item()
 
 
-def evaluate(model, dataset, batch_size):
+def evaluate(model, dataset, batch_size, device):
     sampler = DistributedSampler(dataset, shuffle=False, drop_last=True)
     correct = seen = 0
     model.eval()
     with torch.no_grad():
         for x, y in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+            x, y = x.to(device), y.to(device)
             correct += (model(x).argmax(dim=1) == y).sum().item()
             seen += len(y)
     model.train()
-    return global_mean(correct, seen), int(seen * dist.get_world_size())
+    return global_mean(correct, seen, device), int(seen * dist.get_world_size())
+
+
+def pick_device(choice):
+    """torch.device for --device: one GPU per process (its number from LOCAL_RANK),
+    made current before anything is allocated on it; or the CPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU is visible to torch on this machine "
+                         "(use --device cpu or auto)")
+    index = dist.cuda_device_for_local_rank()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    device = pick_device(args.device)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed + rank)   # ranks start different; DDP broadcasts rank 0's
     train_set, test_set = make_data(args.train_samples, args.test_samples, args.seed)
-    model = DDP(make_model())
+    model = DDP(make_model().to(device),
+                device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start = load_checkpoint(args.checkpoint_dir, model, opt) if args.resume else 0
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
@@ -158,25 +184,26 @@ def main(argv=None):
     if rank == 0:
         print(f"training on {world} process(es), {len(train_set)} samples, "
               f"{sum(p.numel() for p in model.parameters())} parameters, backend "
-              f"{dist.get_backend()}", flush=True)
+              f"{dist.get_backend()}, device {device.type}", flush=True)
     for epoch in range(start, args.epochs):
         sampler.set_epoch(epoch)
         t0, total, count = time.perf_counter(), 0.0, 0
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()                  # gradients are averaged across ranks here
             opt.step()
             total += loss.item() * len(y)
             count += len(y)
-        mean_loss = global_mean(total, count)
+        mean_loss = global_mean(total, count, device)
         elapsed = time.perf_counter() - t0
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}  loss {mean_loss:.4f}  "
                   f"samples/s {count * world / elapsed:,.0f}  ({elapsed:.1f} s)", flush=True)
         if args.checkpoint_every and (epoch + 1) % args.checkpoint_every == 0:
             save_checkpoint(args.checkpoint_dir, model, opt, epoch)
-    accuracy, n = evaluate(model, test_set, 256)
+    accuracy, n = evaluate(model, test_set, 256, device)
     if rank == 0:
         print(f"final accuracy {accuracy:.4f} on {n} test samples", flush=True)
     dist.destroy_process_group()

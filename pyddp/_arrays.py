@@ -7,8 +7,11 @@ lands in the caller's tensor), staging non-contiguous arrays through a contiguou
 and allocating and copying the flat buffers that list-based collectives need. torch and
 CuPy are never imported here; they are recognised by their module names.
 """
+import sys
+
 import numpy as np
 
+from . import _C
 from ._C import DistTypeError, DistValueError
 
 
@@ -45,6 +48,61 @@ def host_view(x):
         if ok and not x.is_sparse:
             return x.numpy()
     return for_core(x)
+
+
+# ---- the one test for a contiguous CPU torch tensor --------------------------------------
+# Such a tensor goes to the C core by address (data_ptr, numel, dtype code): no DLPack
+# capsule or NumPy view per call. The collectives' lean path, the DDP reducer's C path
+# and (through torch_hook_config, in C) DDP's gradient hooks all ask this test.
+
+_torch_tensor = None        # torch.Tensor once seen (recognised by name, never imported)
+_torch_strided = None
+_torch_dt = {}              # torch dtype -> DT_* code, or None if the core has none
+
+
+def _seen_torch(t):
+    """True if t is exactly a torch.Tensor, remembering the class the first time."""
+    global _torch_tensor, _torch_strided
+    tp = type(t)
+    if _torch_tensor is None:
+        if tp.__name__ != "Tensor" or not tp.__module__.startswith("torch"):
+            return False
+        _torch_strided = sys.modules["torch"].strided
+        _torch_tensor = tp
+    return tp is _torch_tensor
+
+
+def _dt_code(dtype):
+    code = _torch_dt.get(dtype, False)
+    if code is False:
+        name = str(dtype).rsplit(".", 1)[-1]
+        code = _torch_dt[dtype] = getattr(_C, "DT_" + name.upper(), None)
+    return code
+
+
+def torch_cpu_code(t):
+    """The DT_* code of t if t is a torch.Tensor (not a subclass) in CPU memory, strided
+    and contiguous, of a dtype the C core takes; else None (anything else, None
+    included). The caller then passes t.data_ptr(), t.numel() and the code."""
+    if type(t) is not _torch_tensor and not _seen_torch(t):
+        return None
+    code = _dt_code(t.dtype)
+    if code is None or not t.is_cpu or t.layout is not _torch_strided or \
+            not t.is_contiguous():
+        return None
+    return code
+
+
+def torch_hook_config(torch):
+    """(torch.Tensor, torch.strided, {torch dtype: DT_* code}) for C code that applies
+    torch_cpu_code's test itself (DDP's gradient hooks, GradHooks)."""
+    codes = {}
+    for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
+                 "int64", "bool"):
+        dt = getattr(torch, name, None)
+        if dt is not None and _dt_code(dt) is not None:
+            codes[dt] = _dt_code(dt)
+    return torch.Tensor, torch.strided, codes
 
 
 def numel(x):

@@ -27,19 +27,27 @@ all-reduced with AVG (the narrowing is then a plain rounding, several times chea
 a correctly rounded division). Their ``.grad`` is never a
 bucket view (gradient_as_bucket_view applies to the other parameters only).
 
-``GradSync`` holds DDP's per-iteration semantics on top of an engine: which gradients
-are expected, ``find_unused_parameters`` and ``static_graph``, the error that names
-unused parameters, creating ``.grad`` for parameters only other ranks used, and the
-one-time rebuild of buckets in the order gradients arrived on rank 0.
+How each bucket is filled and reduced (narrowed or not, divided by what, SUM or AVG) is
+the C plan's rule (``Reducer.bucket_rules``, ddp_plan_bucket_rule), which the C path
+follows and the generic path asks for.
+
+``GradSync`` carries out DDP's per-iteration semantics on top of an engine. The rules
+themselves (which gradients are expected, the first of a backward, per-parameter counts,
+``find_unused_parameters``' use flags, ``static_graph``'s learned counts, the second-
+gradient error) are C's (``_C.GradHooks`` over ddp_grad_rules, asked by the C hooks and
+by ``on_grad`` alike); GradSync does what their verdicts say: hands gradients to the
+engine, words the errors naming the parameters, creates ``.grad`` for parameters only
+other ranks used, and rebuilds the buckets once in the order gradients arrived on rank 0.
 """
 import numpy as np
 
-from . import _C, _lean
+from . import _C
 from ._nccl_backend import caller_stream
 from . import _arrays as A
 from ._errors import COLLECTIVE_FAILURES, raise_explained
 
 FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
+_READY, _SECOND, _TOO_MANY = _C.GRAD_READY, _C.GRAD_SECOND, _C.GRAD_TOO_MANY
 
 
 def dtype_name(x):
@@ -106,18 +114,16 @@ class BucketEngine:
                              reduce_dtype)
         layout, pbucket, poffset = self._c.layout()
         self.layout = layout
+        # (narrow, divisor, op) of each bucket: narrowed buckets hold the gradients in the
+        # reduce dtype, divided by divisor on the way in (C's rule, for both paths)
+        self.bucket_rules = self._c.bucket_rules(world_size)
         self.buckets = []
-        self.bucket_converted = []   # bucket b narrows its gradients to the reduce dtype
-        self.bucket_prediv = []      # ... and holds them divided by the world size (float16)
-        for members, numel, dt, _dev in layout:
+        for (members, numel, dt, _dev), (narrow, _div, _op) in zip(layout, self.bucket_rules):
             like = A.for_core(params[members[0]])
-            converted = dt != dtype_name(like)
-            b = A.empty_flat(like, numel, A.dtype_in(like, dt) if converted else None)
+            b = A.empty_flat(like, numel, A.dtype_in(like, dt) if narrow else None)
             b[...] = 0
             self.buckets.append(b)
-            self.bucket_converted.append(converted)
-            self.bucket_prediv.append(converted and dt == "float16")
-        self.converted = [self.bucket_converted[pbucket[i]] for i in range(len(params))]
+        self.converted = [self.bucket_rules[pbucket[i]][0] for i in range(len(params))]
         self._pbucket = pbucket
         self.views = [self.buckets[pbucket[i]][poffset[i]:poffset[i] + A.numel(p)]
                       .reshape(tuple(p.shape)) for i, p in enumerate(params)]
@@ -175,14 +181,12 @@ class CPath(BucketEngine):
         self._c.attach(pg if world_size > 1 else None, self.buckets)
 
     def ready(self, i, grad, copy_back):
-        # A contiguous CPU torch tensor goes by address (the lean path's test): no
-        # NumPy view or DLPack capsule per gradient.
-        if type(grad) is _lean._torch_tensor or (_lean._torch_tensor is None and grad is not
-                                                 None and _lean.torch_code(grad) is not None):
-            code = _lean.torch_code(grad)
-            if code is not None:
-                self._c.ready(i, grad, copy_back, grad.data_ptr(), grad.numel(), code)
-                return
+        # A contiguous CPU torch tensor goes by address: no NumPy view or DLPack capsule
+        # per gradient.
+        code = A.torch_cpu_code(grad)
+        if code is not None:
+            self._c.ready(i, grad, copy_back, grad.data_ptr(), grad.numel(), code)
+            return
         if grad is not None and not A.is_contiguous(grad):
             if copy_back:
                 self._copy_back[i] = grad
@@ -230,10 +234,8 @@ class GenericPath(BucketEngine):
         if grad is None:
             view[...] = 0
         elif self.converted[i] and not stays:
-            # float16 slots hold gradient / world size (the SUM below is the mean);
-            # bfloat16 ones the gradient itself, averaged by AVG
-            pre = self.bucket_prediv[self._pbucket[i]]
-            A.divide_into(view, grad, self._world if pre else 1)
+            # narrowed once into the slot, divided as the bucket's rule says
+            A.divide_into(view, grad, self.bucket_rules[self._pbucket[i]][1])
         elif grad is not view and not stays:
             A.copy_into(view, grad)
         if copy_back and grad is not None and not stays:
@@ -242,8 +244,8 @@ class GenericPath(BucketEngine):
         if self._world > 1:
             for b in range(first, first + count):
                 x = A.for_core(self.buckets[b])
-                op = _C.OP_SUM if self.bucket_prediv[b] else _C.OP_AVG
-                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, x, None, op, 0,
+                self._works.append(self._pg.submit(_C.COLL_ALLREDUCE, x, None,
+                                                   self.bucket_rules[b][2], 0,
                                                    self._timeout_ms, caller_stream(x)))
 
     def finish(self, track_used):
@@ -283,12 +285,14 @@ def make_engine(params, pg, world_size, cap_bytes, generic, timeout_ms, order=No
 
 
 class GradSync:
-    """DDP's iteration semantics over a BucketEngine.
+    """DDP's iteration semantics over a BucketEngine, carrying out the verdicts of the C
+    rules (``_C.GradHooks``).
 
     The front-end supplies the parameters (arrays), their names, and how to read and
     replace a parameter's gradient (``get_grad(i)``, ``set_grad(i, g)``). It calls
-    ``start()`` when a synced backward is expected, ``on_grad(i)`` whenever parameter i's
-    gradient has been accumulated, and ``finalize()`` once backward is over.
+    ``start()`` when a synced backward is expected, then for each accumulated gradient
+    either the C hook (``hooks.hook(i)``, which asks the rules and calls ``act`` for what
+    it does not do itself) or ``on_grad(i)``, and ``finalize()`` once backward is over.
     reduce_dtype: None, "float16" or "bfloat16" (checked by the front-end).
     """
 
@@ -307,31 +311,27 @@ class GradSync:
         self.view_mode = view_mode
         self.engine = make_engine(params, pg, world_size, bucket_cap_bytes, generic, timeout_ms,
                                   reduce_dtype=reduce_dtype)
-        # The iteration's hook state lives in C (GradHooks), where the torch front-end's
-        # hooks read it: whether a synced backward is expected (hooks reduce), whether a
-        # gradient arrived in it, and each parameter's gradient count.
-        self.hooks = _C.GradHooks(len(params))
+        # The per-gradient rules and their state (expected backward, counts, static
+        # graph's learned counts) live in C, where the torch front-end's hooks ask them.
+        self.hooks = _C.GradHooks(len(params), static_graph=static_graph,
+                                  find_unused=self.dynamic_unused)
         self.broken = None           # message of an unrecoverable error
         self.rebuilt = False
         self._order_seen = None      # arrival order of the first synced iteration
-        self._static_expected = None  # per-parameter gradient count, after iteration 1
-        self._static_used = None      # global use counts of iteration 1
-        self._static_seen = []
+        self._static_used = None     # global use counts of a static graph's iteration 1
         if view_mode:
             self._point_grads_at_views()
-        self._set_lean()
+        self._set_reducer()
 
-    expect = property(lambda self: self.hooks.expect,
-                      lambda self, v: setattr(self.hooks, "expect", v))
-    started = property(lambda self: self.hooks.started,
-                       lambda self, v: setattr(self.hooks, "started", v))
+    expect = property(lambda self: self.hooks.expect)
 
-    def _set_lean(self):
-        """The C hooks take the common case themselves (see GradHooks): the C data path
-        with none of static_graph, find_unused_parameters, gradient_as_bucket_view."""
+    def _set_reducer(self):
+        """The rules note use in the engine's reducer; the C hooks hand the common case to
+        it themselves (see GradHooks) on the C data path with none of static_graph,
+        find_unused_parameters, gradient_as_bucket_view."""
         lean = isinstance(self.engine, CPath) and not (self.static_graph or
                                                        self.dynamic_unused or self.view_mode)
-        self.hooks.set_lean(self.engine._c if lean else None)
+        self.hooks.set_reducer(self.engine._c, lean)
 
     # -- iteration ---------------------------------------------------------------------
     def check_prior(self):
@@ -348,48 +348,41 @@ class GradSync:
     def start(self):
         self.check_prior()
         self.engine.begin()
-        self.hooks.reset()
-        self.expect = True
-        self._static_seen = []
+        self.hooks.begin()
 
     def on_grad(self, i):
-        """Parameter i's gradient was accumulated. Returns True for the first gradient of
-        a synced iteration: the caller then makes finalize() run after backward."""
+        """Parameter i's gradient was accumulated: ask the rules, do what they say.
+        Returns True for the first gradient of a synced iteration: the caller then makes
+        finalize() run after backward."""
         g = self.get_grad(i)
-        if g is not None and (self.dynamic_unused or self._static_first()):
-            self.engine.note_used(i)
-        if not self.expect:
-            return False
-        first = not self.started
-        self.started = True
-        count = self.hooks.bump(i)
-        if self.static_graph:
-            if self._static_first():
-                if count == 1:
-                    self._static_seen.append(i)
-                return first          # iteration 1 of a static graph reduces at the end
-            if first:                 # parameters the static graph never uses
-                for j, n in enumerate(self._static_expected):
-                    if n == 0:
-                        self._ready(j)
-            if count > self._static_expected[i]:
-                self._fail(f"DDP (static_graph=True): rank {self.rank}: parameter "
-                           f"{self.names[i]!r} received {count} gradients in one "
-                           f"backward pass but {self._static_expected[i]} in the first "
-                           f"iteration; the graph is not static, so use static_graph=False")
-            if count < self._static_expected[i]:
-                return first
-        elif count > 1:
+        return self.act(i, self.hooks.on_grad(i, g is not None), g)
+
+    def act(self, i, verdict, g=None):
+        """Carry out the rules' verdict (GradHooks.on_grad's) on parameter i's gradient g
+        (None: read it): pre-mark a static graph's never-used parameters, hand the
+        gradient to the engine, or raise the error the rules found. Returns the
+        verdict's `first`."""
+        action, first, premark, count, expected = verdict
+        if premark:
+            for j in self.hooks.never_used():
+                self._ready(j)
+        if action == _READY:
+            try:
+                self._ready(i, g)
+            except BaseException as e:
+                self.hook_failed(e)
+                raise
+        elif action == _TOO_MANY:
+            self._fail(f"DDP (static_graph=True): rank {self.rank}: parameter "
+                       f"{self.names[i]!r} received {count} gradients in one "
+                       f"backward pass but {expected} in the first "
+                       f"iteration; the graph is not static, so use static_graph=False")
+        elif action == _SECOND:
             self._fail(f"DDP: rank {self.rank}: parameter {self.names[i]!r} received a second "
                        f"gradient in one backward pass (reentrant backward, e.g. activation "
                        f"checkpointing, or a parameter shared by modules run in separate "
                        f"backward calls). Its bucket was already being reduced. If the graph "
                        f"is the same every iteration, pass static_graph=True.")
-        try:
-            self._ready(i, g)
-        except BaseException as e:
-            self.hook_failed(e)
-            raise
         return first
 
     def hook_failed(self, e):
@@ -398,9 +391,6 @@ class GradSync:
         gradients. Raises DDP's error unless DDP was already broken."""
         if not self.broken:
             self._fail(f"DDP: rank {self.rank}: the gradient reduction failed: {e}", cause=e)
-
-    def _static_first(self):
-        return self.static_graph and self._static_expected is None
 
     def _viewed(self, i):
         """gradient_as_bucket_view applies to parameter i (its bucket has its dtype)."""
@@ -420,33 +410,24 @@ class GradSync:
             self.engine.ready(i, g, g is not None and not skip)
 
     def finalize(self):
-        """End of backward: treat unused parameters as the mode says, wait for every
-        bucket, and leave averaged gradients in .grad."""
-        self.expect = False
+        """End of backward: hand in (or report) the parameters the rules say, wait for
+        every bucket, and leave averaged gradients in .grad."""
         try:
-            unready = self.engine.unready()
-            if unready:
-                if self._static_first():
-                    seen = set(self._static_seen)
-                    for i in self._static_seen + [j for j in unready if j not in seen]:
-                        self._ready(i)
-                elif self.dynamic_unused:
-                    for i in unready:
-                        self._ready(i)
-                elif self.static_graph:
-                    self._fail(self._unused_message(unready, when="in this backward pass, "
-                                                    "unlike in the first iteration") +
-                               " (static_graph=True requires the same graph every iteration)")
-                else:
-                    self._fail(self._unused_message(unready, when="in this backward pass"))
-            first_static = self._static_first()
-            track = self.dynamic_unused or first_static
+            outcome, pending, track = self.hooks.end_backward()
+            if outcome == _C.GRAD_END_OK:
+                for i in pending:
+                    self._ready(i)
+            elif outcome == _C.GRAD_END_STATIC_UNUSED:
+                self._fail(self._unused_message(pending, when="in this backward pass, "
+                                                "unlike in the first iteration") +
+                           " (static_graph=True requires the same graph every iteration)")
+            else:
+                self._fail(self._unused_message(pending, when="in this backward pass"))
             try:
                 used = self.engine.finish(track)
             except COLLECTIVE_FAILURES as e:
                 raise_explained(self._group, e)
-            if first_static:
-                self._static_expected = self.hooks.counts()
+            if self.hooks.learn():
                 self._static_used = used
             elif self.static_graph:
                 used = self._static_used
@@ -502,7 +483,7 @@ class GradSync:
                              self._timeout_ms, order=order.tolist(),
                              reduce_dtype=self._reduce_dtype)
         self.engine = engine
-        self._set_lean()
+        self._set_reducer()
         self.rebuilt = True
         self._order_seen = None
         if self.view_mode:

@@ -8,8 +8,8 @@ returns with gradients averaged across ranks:
 * each trainable parameter gets a ``register_post_accumulate_grad_hook`` that hands its
   gradient to the reducer the moment autograd has accumulated it, so full buckets are
   all-reduced on the communication thread while backward goes on (a C hook,
-  ``_C.GradHooks``, which does the common CPU case itself and calls ``_on_grad`` for
-  the rest);
+  ``_C.GradHooks``: it asks DDP's per-gradient rules, in C, does the common CPU case
+  itself and calls ``_act`` for the rest);
 * the first such hook of a synced iteration queues an autograd engine callback,
   which runs when backward ends: it deals with parameters that got no gradient and
   waits for every bucket (``GradSync.finalize``).
@@ -24,16 +24,18 @@ import weakref
 import torch
 
 from . import _C
+from . import _arrays as A
 from ._ddp_reducer import GradSync
 from ._ddp_common import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
                           ddp_group, reduce_dtype_name, sync_initial_state, use_generic_path)
 
 
-def _on_grad(ddp_ref, i, param):
-    """The Python hook (GradHooks' slow path): every mode and every rule."""
+def _act(ddp_ref, i, verdict):
+    """What the C hook leaves to Python: the rules' verdict on parameter i's gradient
+    (other data paths and modes, errors worded with the parameter's name)."""
     ddp = ddp_ref()
-    if ddp is not None and ddp._sync.on_grad(i):
-        _queue_finalize(ddp_ref)
+    if ddp is not None:
+        ddp._sync.act(i, verdict)
 
 
 def _queue_finalize(ddp_ref):
@@ -50,18 +52,15 @@ def _hook_failed(ddp_ref, e):
 
 
 def _install_hooks(ddp, params):
-    """One C hook per parameter (GradHooks): the common case runs in C, the rest calls
-    back into _on_grad. The hooks hold the DDP weakly; once it is collected they do
-    nothing."""
+    """One C hook per parameter (GradHooks): the rules and the common case run in C, the
+    rest calls back into _act. The hooks hold the DDP weakly; once it is collected they
+    do nothing."""
     ref = weakref.ref(ddp)
     hooks = ddp._sync.hooks
-    hooks.slow = functools.partial(_on_grad, ref)
+    hooks.act = functools.partial(_act, ref)
     hooks.first = functools.partial(_queue_finalize, ref)
     hooks.failed = functools.partial(_hook_failed, ref)
-    hooks.tensor_type, hooks.strided = torch.Tensor, torch.strided
-    hooks.dtypes = {getattr(torch, n): getattr(_C, "DT_" + n.upper())
-                    for n in ("float16", "bfloat16", "float32", "float64")
-                    if hasattr(_C, "DT_" + n.upper())}
+    hooks.tensor_type, hooks.strided, hooks.dtypes = A.torch_hook_config(torch)
     weakref.finalize(ddp, hooks.detach)
     return [p.register_post_accumulate_grad_hook(hooks.hook(i)) for i, p in enumerate(params)]
 

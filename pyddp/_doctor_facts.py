@@ -27,7 +27,6 @@ import numpy as np
 from . import _C, _env, _nccl_backend, _rendezvous
 from ._version import __version__
 
-FAKE_VERSION_ENV = "PYDDP_DOCTOR_FAKE_VERSION"   # for tests: "pkg=version[,pkg=version]"
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -99,7 +98,7 @@ def versions():
         torch = "-"
     v = {"pyddp": __version__, "torch": torch, "numpy": np.__version__,
          "python": platform.python_version()}
-    for part in filter(None, (_C.setting_text(FAKE_VERSION_ENV) or "").split(",")):
+    for part in filter(None, (_C.setting("PYDDP_DOCTOR_FAKE_VERSION") or "").split(",")):
         pkg, _, ver = part.rpartition("=")
         v[pkg.strip() or "pyddp"] = ver.strip()
     return v

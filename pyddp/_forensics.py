@@ -272,13 +272,17 @@ class Watcher:
             lines += [f"    {f}:{ln} in {fn}" for f, ln, fn in t["frames"]]
         return "\n".join(lines)
 
-    def stop(self):
+    def stop(self, join_s=None):
+        """End the watcher: close its store connections (its thread's WAIT then fails
+        and the thread returns); with join_s, wait that long for the thread."""
         self._stop = True
         for s in (self._watch, self.reports):
             try:
                 s.close()
             except Exception:  # noqa: BLE001
                 pass
+        if join_s is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
 
 
 def explain(group, err):

@@ -6,44 +6,22 @@ barrier) of host memory in one C call, without ``Staged``, a Python ``Work`` or 
 same loop as ``Work.wait`` (a small one runs inline on the calling thread when nothing
 is queued), so ordering, headers, timeouts, Ctrl-C and the flight record are those of
 the general path. It takes a C-contiguous NumPy array of a native dtype, or a
-contiguous CPU torch tensor as (data_ptr, numel, dtype code): no DLPack capsule per
-call, and torch is recognised by name, never imported. Anything else (GPU arrays,
-non-contiguous or unusual arrays, other process-group types) is left to the general
-path. pyddp's own functions and the torch backend's blocking calls both come here.
+contiguous CPU torch tensor as (data_ptr, numel, dtype code): no DLPack capsule per call
+(``_arrays.torch_cpu_code``, the one test for such a tensor; torch is recognised by
+name, never imported). Anything else (GPU arrays, non-contiguous or unusual arrays,
+other process-group types) is left to the general path.
 """
 import numpy as np
 
 from . import _C
+from . import _arrays as A
 from ._errors import COLLECTIVE_FAILURES, raise_explained
 
 _ndarray = np.ndarray
 _PG = _C.ProcessGroup
 _DT = {np.dtype(n): getattr(_C, "DT_" + n.upper()) for n in
        ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
-_torch_tensor = None        # torch.Tensor once seen (recognised by name, never imported)
-_torch_dt = {}              # torch dtype -> DT_* code, or None if unsupported
-_torch_strided = None
-
-
-def torch_code(t):
-    """The DT_* code of t if it is a contiguous, strided CPU torch tensor of a dtype the
-    core takes (what may go to the core by address), else None."""
-    global _torch_tensor, _torch_strided
-    if _torch_tensor is None:
-        tp = type(t)
-        if tp.__name__ != "Tensor" or not tp.__module__.startswith("torch"):
-            return None
-        import sys
-        _torch_strided = sys.modules["torch"].strided
-        _torch_tensor = tp
-    code = _torch_dt.get(t.dtype, False)
-    if code is False:
-        name = str(t.dtype).rsplit(".", 1)[-1]
-        code = _torch_dt[t.dtype] = getattr(_C, "DT_" + name.upper(), None)
-    if code is None or not t.is_cpu or t.layout is not _torch_strided or \
-            not t.is_contiguous():
-        return None
-    return code
+_torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 
 
 def run(g, kind, x, op, root):
@@ -63,14 +41,12 @@ def run(g, kind, x, op, root):
             r = pg.run(kind, x, op, root, timeout_ms)
         elif x is None:
             r = pg.run(kind, None, op, root, timeout_ms)
-        elif tp is _torch_tensor or (_torch_tensor is None and torch_code(x) is not None):
-            code = torch_code(x)
+        else:
+            code = _torch_cpu_code(x)
             n = x.numel() if code is not None else 0
             if not n:
                 return False
             r = pg.run(kind, x.data_ptr(), op, root, timeout_ms, n, code)
-        else:
-            return False
     except COLLECTIVE_FAILURES as e:
         # The collective failed (the wait itself has no timeout): as Work.wait does,
         # say who had not arrived if a peer's timeout caused it.

@@ -38,17 +38,14 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from . import _arrays as A
 from . import collectives as C
 from ._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
 from ._torch_work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
     future_for
 
 _PG = _C.ProcessGroup
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
-# torch dtype -> the core's DT_* code, for the dtypes the core takes by address
-_DT = {getattr(torch, n): getattr(_C, "DT_" + n.upper()) for n in
-       ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
+_torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 
 _RedOpType = dist.ReduceOp.RedOpType
 _SUM = _RedOpType.SUM       # opts.reduceOp == _SUM is the cheap test (ReduceOp.__eq__)
@@ -210,8 +207,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         with nothing sent, when t needs the general path (not an exact, contiguous,
         non-empty CPU torch.Tensor of a dtype the core takes; a destroyed group). A
         failure raises as torch's error, a blocking collective's with the straggler
-        report. Every test here is on the hot path of torch's blocking calls: keep it
-        to attribute reads."""
+        report. This is the hot path of torch's blocking calls: keep it to attribute
+        reads."""
         g = self._handle
         pg = g._pg
         if type(pg) is not _PG:
@@ -220,10 +217,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             ptr = n = 0
             code = _C.DT_UINT8
         else:
-            if type(t) is not _Tensor or not t.is_cpu:
-                return NotImplemented
-            code = _DT.get(t.dtype)
-            if code is None or t.layout is not _STRIDED or not t.is_contiguous():
+            code = _torch_cpu_code(t)
+            if code is None:
                 return NotImplemented
             n = t.numel()
             if not n:

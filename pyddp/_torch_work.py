@@ -76,7 +76,15 @@ class _Dispatcher:
     """Runs the completion of futures with chained Python callbacks off pyddp's
     completion thread (see the module's docstring): one thread normally (reused by every
     call, never one per call), another started only when every pool thread is busy, up
-    to MAX_THREADS. Idle threads exit after IDLE_S seconds."""
+    to MAX_THREADS. Idle threads exit after IDLE_S seconds.
+
+    The threads are daemons, so an idle one never holds up the exit; but one that is
+    running torch code when the interpreter starts finalizing is stopped by Python the
+    next time it takes the GIL back (pthread_exit), and the unwinding through torch's
+    noexcept C++ frames aborts the process ("terminate called without an active
+    exception"). So at exit (pyddp/_exit.py) :meth:`quiesce` lets running completions
+    finish and starts no more; pyddp's completion thread, which completes the other
+    futures, is parked there too (``_C.completion_park``)."""
 
     MAX_THREADS = 32
     IDLE_S = 30.0
@@ -86,10 +94,15 @@ class _Dispatcher:
         self._queue = collections.deque()
         self._idle = 0
         self._threads = 0
+        self._busy = 0          # completions running now (pool threads or inline)
+        self._stopping = False  # quiesce() was called: run nothing more
 
     def submit(self, fn):
-        """Queue fn() to run on a pool thread (started if none is idle)."""
+        """Queue fn() to run on a pool thread (started if none is idle); after quiesce()
+        drop it (the interpreter is exiting: nobody is left to wait for the future)."""
         with self._cv:
+            if self._stopping:
+                return
             self._queue.append(fn)
             if self._idle > len(self._queue) - 1:
                 self._cv.notify()
@@ -105,30 +118,62 @@ class _Dispatcher:
                 self._threads -= 1
             self._run_queued()
 
+    def _take(self):
+        """The next queued call, counted as running (cv held); None if nothing is
+        queued or quiesce() was called."""
+        if not self._queue or self._stopping:
+            return None
+        self._busy += 1
+        return self._queue.popleft()
+
+    def _done(self):
+        with self._cv:
+            self._busy -= 1
+            if self._stopping:
+                self._cv.notify_all()     # quiesce() waits for the running ones
+
     def _run_queued(self):
         while True:
             with self._cv:
-                if not self._queue:
-                    return
-                fn = self._queue.popleft()
-            fn()
+                fn = self._take()
+            if fn is None:
+                return
+            try:
+                fn()
+            finally:
+                self._done()
 
     def _loop(self):
         while True:
             with self._cv:
                 self._idle += 1
                 deadline = time.monotonic() + self.IDLE_S
-                while not self._queue:
+                while (fn := self._take()) is None:
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if left <= 0 or self._stopping:
                         self._idle -= 1
                         self._threads -= 1
                         return
                     self._cv.wait(left)
                 self._idle -= 1
-                fn = self._queue.popleft()
-            fn()
-            fn = None       # an idle thread must not keep the last call's objects alive
+            try:
+                fn()
+            finally:
+                fn = None   # an idle thread must not keep the last call's objects alive
+                self._done()
+
+    def quiesce(self, timeout_s):
+        """At interpreter exit: run no more completions (queued ones are dropped, later
+        ones refused), wait up to timeout_s for the running ones to return, and say
+        whether none is running any more."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            self._stopping = True
+            self._queue.clear()
+            self._cv.notify_all()
+            while self._busy and time.monotonic() < deadline:
+                self._cv.wait(deadline - time.monotonic())
+            return self._busy == 0
 
     def _after_fork(self):
         self.__init__()         # the pool's threads do not exist in a forked child

@@ -13,7 +13,7 @@ straggler watcher (``_forensics.Watcher``).
 import logging
 import os
 
-from . import _C, _env, _forensics
+from . import _C, _env, _exit, _forensics
 from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
     _resolve, dump_flight_record
 from ._rendezvous import _is_hosted, _linger_after_failure, _make_store, _td
@@ -32,7 +32,9 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
     be = None if backend is None else _pick_backend(backend)
     run_id, restart = _env.elastic_attempt()
     prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
-    return _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    g = _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    _warn_unauthenticated(g)
+    return g
 
 
 def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
@@ -44,6 +46,7 @@ def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
                          int(timeout_s * 1000), __version__, _env.host_identity())
     g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+    _exit.track(g)           # pending work at exit gets PYDDP_EXIT_WAIT, then an abort
     g._advertise = advertise
     g._by_route = not _env.socket_ifname() and bool(master_addr)
     if world_size > 1:
@@ -120,15 +123,21 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
               rdzv.world_size, _State.backend, prefix)
 
 
+_auth_warned = False
+
+
 def _warn_unauthenticated(g):
-    """One line when a job spans hosts without PYDDP_AUTH_TOKEN (an explicitly empty
-    PYDDP_AUTH_TOKEN= silences it): anyone who reaches its ports could join it."""
-    if _C.setting_text("PYDDP_AUTH_TOKEN") is not None or \
+    """One line, once per process, on world rank 0, when a job spans hosts without
+    PYDDP_AUTH_TOKEN (an explicitly empty PYDDP_AUTH_TOKEN= silences it): anyone who
+    reaches its ports could join it. For pyddp's own init and torch's backend alike."""
+    global _auth_warned
+    if _auth_warned or _C.setting_text("PYDDP_AUTH_TOKEN") is not None or \
             _C.setting_text("PYDDP_AUTH_TOKEN_FILE"):
         return
     pg = g.pg()
     hosts = {pg.peer(r)[1] for r in range(pg.size)}
-    if len(hosts) > 1 and _State.rank == 0:
+    if len(hosts) > 1 and g._world_rank == 0:
+        _auth_warned = True
         log.warning("pyddp: this job spans %d hosts without PYDDP_AUTH_TOKEN: any machine that "
                     "can reach its ports can join it or send it data (see docs/security.md; "
                     "set PYDDP_AUTH_TOKEN= empty to silence this)", len(hosts))

@@ -20,8 +20,15 @@ TCP stream from rank 1 to rank 0 over the address pyddp uses, as the yardstick f
 links between hosts. The timed buffers are the same every iteration (results of one
 call feed the next), as in nccl-tests; the numbers measure transport and reduction,
 never Python-side copies.
+
+``--json FILE`` has rank 0 also write the run's numbers (the header's facts and every
+row, as ``run_info`` and ``row_values`` give them) to FILE; ``--plot FILE.png`` has it
+draw bus bandwidth against message size from them (pyddp/bench_plot.py, which needs
+matplotlib: the ``plot`` extra), and ``python -m pyddp.bench_plot FILE.json FILE.png``
+redraws it from the saved file.
 """
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -84,6 +91,11 @@ def parse_args(argv):
                    help="bytes the TCP stream moves (1G)")
     p.add_argument("--stream-peer", type=int, default=1,
                    help="rank that streams to rank 0 (1); pick one on another host")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="rank 0 also writes the header's facts and every row to FILE (JSON)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="rank 0 draws busbw against size to FILE.png after the run "
+                   "(needs matplotlib: pip install 'pyddp[plot]')")
     a = p.parse_args(argv)
     a.ops = [o.strip() for o in a.ops.split(",") if o.strip()]
     if a.stream_peer < 1:
@@ -335,13 +347,33 @@ def init_gloo(rank, world):
     return tdist
 
 
-def header(args, world, backends, stream, hosts):
-    lines = [f"# pyddp.bench: {world} ranks on {hosts} host(s), dtype {args.datatype}, op "
-             f"{args.op}, {args.rounds} rounds per size (median), host {socket.gethostname()}, "
-             f"{os.cpu_count()} CPUs, shm {'off' if _C.setting('PYDDP_SHM_DISABLE') else 'on'}, "
-             f"nsocks {_C.setting('PYDDP_NSOCKS_PERPEER')}"]
+def run_info(args, world, backends, stream, hosts):
+    """The run's facts, as the header prints them and --json saves them: world, hosts,
+    dtype, op, rounds, host (its name), cpus, shm ("on"/"off"), nsocks (as set; "1" when
+    not), algo and hier_min_bytes (PYDDP_ALGO and PYDDP_HIER_MIN_BYTES as the core reads
+    them: what "pyddp" chose from), backends (the timed variants in column order:
+    "pyddp", then "flat" with --compare-flat, then "gloo" with --compare-gloo),
+    stream_gbps (one TCP stream's GB/s; 0.0 without --tcp-stream), stream_peer and
+    loadavg (rank 0's host's 1-minute load average as the rows start)."""
+    return {"world": world, "hosts": hosts, "dtype": args.datatype, "op": args.op,
+            "rounds": args.rounds, "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "shm": "off" if _C.setting("PYDDP_SHM_DISABLE") else "on",
+            "nsocks": _C.setting_text("PYDDP_NSOCKS_PERPEER") or "1",
+            "algo": _C.setting("PYDDP_ALGO") or "auto",
+            "hier_min_bytes": _C.setting("PYDDP_HIER_MIN_BYTES"),
+            "backends": list(backends), "stream_gbps": stream, "stream_peer": args.stream_peer,
+            "loadavg": os.getloadavg()[0]}
+
+
+def header(info):
+    """Rank 0's comment lines above the rows, from run_info's dict."""
+    backends, stream, hosts = info["backends"], info["stream_gbps"], info["hosts"]
+    lines = [f"# pyddp.bench: {info['world']} ranks on {hosts} host(s), dtype {info['dtype']}, "
+             f"op {info['op']}, {info['rounds']} rounds per size (median), host {info['host']}, "
+             f"{info['cpus']} CPUs, shm {info['shm']}, nsocks {info['nsocks']}"]
     if stream:
-        lines.append(f"# single TCP stream rank {args.stream_peer} -> rank 0: {stream:.3f} GB/s")
+        lines.append(f"# single TCP stream rank {info['stream_peer']} -> rank 0: "
+                     f"{stream:.3f} GB/s")
     if "flat" in backends:
         lines.append("# pyddp: the algorithm pyddp picks (PYDDP_ALGO, default auto); flat: the "
                      "flat ring forced")
@@ -376,6 +408,8 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     dist.init_process_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.plot:
+        require_plotting(rank)
     tdist = init_gloo(rank, world) if args.compare_gloo else None
     if args.tcp_stream and not 1 <= args.stream_peer < world:
         raise SystemExit(f"--stream-peer {args.stream_peer} is not a rank of this "
@@ -385,9 +419,10 @@ def main(argv=None):
     backends = ["pyddp"] + (["flat"] if args.compare_flat else []) + (["gloo"] if tdist else [])
     if args.compare_flat:
         FLAT_GROUP[0] = dist.new_group(pg_options={"algo": "flat"})
+    info = run_info(args, world, backends, stream, hosts)
     if rank == 0:
-        print(header(args, world, backends, stream, hosts), flush=True)
-    failed = 0
+        print(header(info), flush=True)
+    failed, rows = 0, []
     for name in args.ops:
         for nbytes in sizes(args):
             case = Case(name, nbytes, args, world, rank)
@@ -398,38 +433,90 @@ def main(argv=None):
             wrong = world_max(wrong)   # a wrong element anywhere counts
             failed += int(wrong[0] > 0)
             if rank == 0:
-                print(row(case, times, wrong, backends, world, stream, hosts), flush=True)
+                rows.append(row_values(case, times, wrong, backends, world, stream, hosts))
+                print(row(rows[-1]), flush=True)
             del case
     if tdist:
         tdist.destroy_process_group()
     dist.destroy_process_group()
     if failed and rank == 0:
         print(f"# {failed} size(s) gave wrong results", flush=True)
+    if rank == 0:
+        save(dict(info, rows=rows), args)
     return 1 if failed else 0
 
 
-def row(case, times, wrong, backends, world, stream, hosts):
-    root = 0 if case.name == "broadcast" else -1
-    s = (f"{case.name:>14} {case.nbytes:>11} {case.count:>10} {case.dtype:>8} "
-         f"{case.op or 'none':>5} {root:>4}")
-    bus = {}
+def require_plotting(rank):
+    """With --plot: stop every rank, before anything is timed, when rank 0 (the one that
+    draws) cannot import matplotlib, with bench_plot's message naming the extra."""
+    problem = [None]
+    if rank == 0:
+        from pyddp import bench_plot
+        problem = [bench_plot.missing_matplotlib()]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        dist.destroy_process_group()
+        raise SystemExit(problem[0] if rank == 0 else 1)
+
+
+def save(results, args):
+    """Rank 0, after the run: write results (run_info's dict plus "rows", a list of
+    row_values' dicts) to --json, and draw them to --plot."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+        print(f"# wrote {args.json}", flush=True)
+    if args.plot:
+        from pyddp import bench_plot
+        bench_plot.plot(results, args.plot)
+        print(f"# wrote {args.plot}", flush=True)
+
+
+def row_values(case, times, wrong, backends, world, stream, hosts):
+    """One row's numbers, as --json saves them and row() prints them: collective, size
+    (bytes), count, type, redop, root, backends ({variant: {time_us, algbw, busbw (GB/s),
+    wrong}} in column order), vs_gloo ({variant: its busbw over gloo's, None where
+    gloo's is 0}; only with gloo), pct_stream (pyddp's busbw in % of one TCP stream;
+    only with --tcp-stream) and bound (the busbw the host links allow; only across
+    hosts with --tcp-stream)."""
+    v = {"collective": case.name, "size": case.nbytes, "count": case.count,
+         "type": case.dtype, "redop": case.op or "none",
+         "root": 0 if case.name == "broadcast" else -1, "backends": {}}
     for i, b in enumerate(backends):
-        t = times[b]
-        alg = case.nbytes / t / 1e9
-        bus[b] = alg * BUSBW_FACTOR[case.name](world)
-        s += (" |" if len(backends) > 1 else "") + \
-            f" {t * 1e6:>10.1f} {alg:>7.3f} {bus[b]:>7.3f} {int(wrong[i]):>6}"
-    if len(backends) > 1:
-        s += " |"
-    for b in backends:
-        if b != "gloo" and "gloo" in backends:
-            s += f" {bus[b] / bus['gloo']:>9.2f}x" if bus["gloo"] > 0 else f" {'-':>10}"
+        alg = case.nbytes / times[b] / 1e9
+        v["backends"][b] = {"time_us": times[b] * 1e6, "algbw": alg,
+                            "busbw": alg * BUSBW_FACTOR[case.name](world),
+                            "wrong": int(wrong[i])}
+    bus = {b: x["busbw"] for b, x in v["backends"].items()}
+    if "gloo" in backends:
+        v["vs_gloo"] = {b: (bus[b] / bus["gloo"] if bus["gloo"] > 0 else None)
+                        for b in backends if b != "gloo"}
     if stream:
-        s += f" {100 * bus['pyddp'] / stream:>6.0f}%"
+        v["pct_stream"] = 100 * bus["pyddp"] / stream
     if stream and hosts > 1:
         # time if each host sent only its minimum at the stream rate, as a busbw
         t_min = HOST_FACTOR[case.name](hosts) * case.nbytes / (stream * 1e9)
-        s += f" {case.nbytes / t_min / 1e9 * BUSBW_FACTOR[case.name](world):>7.3f}"
+        v["bound"] = case.nbytes / t_min / 1e9 * BUSBW_FACTOR[case.name](world)
+    return v
+
+
+def row(v):
+    """Rank 0's printed line for row_values' dict v."""
+    multi = len(v["backends"]) > 1
+    s = (f"{v['collective']:>14} {v['size']:>11} {v['count']:>10} {v['type']:>8} "
+         f"{v['redop']:>5} {v['root']:>4}")
+    for x in v["backends"].values():
+        s += (" |" if multi else "") + \
+            f" {x['time_us']:>10.1f} {x['algbw']:>7.3f} {x['busbw']:>7.3f} {x['wrong']:>6}"
+    if multi:
+        s += " |"
+    for r in v.get("vs_gloo", {}).values():
+        s += f" {r:>9.2f}x" if r is not None else f" {'-':>10}"
+    if "pct_stream" in v:
+        s += f" {v['pct_stream']:>6.0f}%"
+    if "bound" in v:
+        s += f" {v['bound']:>7.3f}"
     return s
 
 

@@ -59,6 +59,12 @@ def register():
 
 
 def _timeout_s(timeout):
+    """The group's timeout in seconds: PYDDP_TIMEOUT when it is set, else the one torch
+    passes. torch always passes one (its 30-minute default when the script gives none,
+    also under Lightning and Accelerate), so pyddp cannot tell a chosen timeout from
+    the default; a variable set in the environment is the user's choice, and wins."""
+    if _C.setting_text("PYDDP_TIMEOUT"):
+        return _env.timeout_seconds(None)
     return _env.timeout_seconds(timeout if timeout is not None and
                                 timeout.total_seconds() > 0 else None)
 

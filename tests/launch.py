@@ -13,6 +13,13 @@ import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored,
+# and an ignored signal stays ignored across exec: every rank the tests start would then
+# ignore the Ctrl-C the interrupt tests send. A handler of our own is reset to the
+# default in the children, where Python installs its KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 WORKERS = os.path.join(ROOT, "tests", "workers")
 PY = sys.executable
 

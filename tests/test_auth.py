@@ -189,7 +189,7 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
     for r in results:
         assert r.returncode == 0 and "PASS" in r.stdout, r.output
         assert "without PYDDP_AUTH_TOKEN" not in r.stderr   # one host: no warning
-    from pyddp import _group, _world
+    from pyddp import _world
 
     class FakePG:
         size = 2
@@ -198,24 +198,29 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
             return (f"rank {r}", f"host-{r}")
 
     class FakeGroup:
+        _world_rank = 0
+
         def pg(self):
             return FakePG()
 
-    monkeypatch.setattr(_group._State, "rank", 0)
+    monkeypatch.setattr(_world, "_auth_warned", False)
     monkeypatch.delenv("PYDDP_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("PYDDP_AUTH_TOKEN_FILE", raising=False)
     records = []
     handler = type("H", (__import__("logging").Handler,),
                    {"emit": lambda self, rec: records.append(rec.getMessage())})()
-    _group.log.addHandler(handler)
+    _world.log.addHandler(handler)
     try:
         _world._warn_unauthenticated(FakeGroup())
         assert len(records) == 1 and "spans 2 hosts" in records[0]
+        _world._warn_unauthenticated(FakeGroup())      # once per process
+        assert len(records) == 1
+        monkeypatch.setattr(_world, "_auth_warned", False)
         monkeypatch.setenv("PYDDP_AUTH_TOKEN", "")     # deliberately empty: silenced
         _world._warn_unauthenticated(FakeGroup())
         assert len(records) == 1
     finally:
-        _group.log.removeHandler(handler)
+        _world.log.removeHandler(handler)
 
 
 def _validated(port):
@@ -318,3 +323,28 @@ def test_doctor_never_shows_the_token(monkeypatch):
     facts = _doctor_facts.settings()
     assert "do-not-print-me" not in repr(facts)
     assert facts["set"]["PYDDP_AUTH_TOKEN"] == "(set, hidden)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_torch_backend_across_hosts_warns_without_a_token(tmp_path):
+    """The warning comes on torch's backend "pyddp" too (torch's init_process_group,
+    as Lightning and Accelerate use it), not only from pyddp's own init."""
+    pytest.importorskip("torch")
+    from netns import NetnsUnavailable, exec_prefix, two_hosts
+    script = tmp_path / "torch_job.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('pyddp')\n"
+                      "x = torch.ones(3); dist.all_reduce(x); assert x[0] == 2\n"
+                      "dist.destroy_process_group(); print('PASS', flush=True)\n")
+    try:
+        with two_hosts() as hosts:
+            results = launch.spawn_ranks(
+                str(script), 2, timeout=90, master_addr=hosts[0].addr,
+                prefix=lambda r: exec_prefix(hosts[r].ns) + ["env", "-u", "PYDDP_AUTH_TOKEN"])
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))
+    for r in results:
+        assert r.returncode == 0 and "PASS" in r.stdout, r.output[-3000:]
+    assert results[0].stderr.count("spans 2 hosts without PYDDP_AUTH_TOKEN") == 1, \
+        results[0].stderr[-3000:]
+    assert "without PYDDP_AUTH_TOKEN" not in results[1].stderr

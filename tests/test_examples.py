@@ -63,3 +63,22 @@ def _gloo_exit_abort(out):
     reference, not of the script under test, which must exit 0 every time."""
     return ("terminate called without an active exception" in out
             and all(f"Finished running DDP example on rank {r}." in out for r in range(2)))
+
+
+def test_train_device_auto_runs_on_cpu_and_cuda_is_refused_clearly(tmp_path):
+    """The GPU form of the main job (--device auto: one GPU per process where there are
+    GPUs) runs as a CPU smoke test on a machine without one; --device cuda there stops
+    at once with a message saying so, before any rendezvous."""
+    small = ["--train-samples", "2048", "--test-samples", "512", "--epochs", "2",
+             "--checkpoint-dir", str(tmp_path)]
+    res = torchrun(TRAIN, 2, args=small + ["--device", "auto"], timeout=120)
+    assert res.returncode == 0, res.output[-6000:]
+    import torch
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"device {want}" in res.output, res.output[-3000:]
+    assert re.search(r"final accuracy (\S+) on 512 test samples", res.output), res.output[-3000:]
+    if want == "cpu":
+        res = torchrun(TRAIN, 2, args=small + ["--device", "cuda"], timeout=120)
+        assert res.returncode != 0
+        assert "--device cuda: no GPU is visible to torch on this machine" in res.output, \
+            res.output[-3000:]

@@ -173,3 +173,15 @@ def test_example_differs_from_the_gloo_script_only_in_the_backend(tmp_path):
         acc = float(re.search(r"accuracy (\S+),", res.stdout).group(1))
         assert acc > 0.9, res.stdout
     assert len(outs["pyddp"]) == 2 and outs["pyddp"] == outs["gloo"], outs
+
+
+def test_pyddp_timeout_wins_over_torchs_default():
+    """torch's init_process_group always passes a timeout (30 min by default); a
+    PYDDP_TIMEOUT set in the environment is the user's choice and bounds the group's
+    collectives: a peer that never joins fails rank 0 after about 3 s, not 30 min."""
+    from launch import torchrun
+    res = torchrun("torch_timeout.py", 2, args=["25"], env={"PYDDP_TIMEOUT": "3"}, timeout=90)
+    m = re.search(r"TIMEOUT_AFTER (\S+) (\w+)", res.stdout)
+    assert m, res.output[-4000:]
+    assert m.group(1) != "none" and float(m.group(1)) < 12, m.group(0)
+    assert m.group(2) == "DistTimeoutError", m.group(0)

@@ -284,6 +284,14 @@ void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
     pthread_mutex_unlock(&root->mu);
 }
 
+int ddp_comm_pending(ddp_comm *c) {
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    int n = root->destroyed ? 0 : atomic_load(&root->queued) + root->running;
+    pthread_mutex_unlock(&root->mu);
+    return n;
+}
+
 void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix) {
     ddp_comm *root = c->root;
     char *p = strdup(prefix ? prefix : "");
@@ -319,11 +327,42 @@ static void pg_destroy(void *impl, ddp_wait w) { (void)w; ddp_comm_destroy(impl)
 static int pg_rank(const void *impl) { return ddp_comm_rank(impl); }
 static int pg_size(const void *impl) { return ddp_comm_size(impl); }
 static int pg_device(const void *impl) { (void)impl; return -1; }
+static ddp_status pg_run_inline(void *impl, const ddp_coll_args *a, int64_t timeout_ms,
+                                const ddp_pg_interrupt *intr, int *taken) {
+    return ddp_comm_run_inline(impl, a, timeout_ms, intr ? intr->check : NULL,
+                               intr ? intr->ctx : NULL, taken);
+}
+
+static uint64_t pg_tag(const void *impl) { return ddp_comm_tag(impl); }
+static const char *pg_peer_desc(const void *impl, int r) { return ddp_comm_peer_desc(impl, r); }
+static const char *pg_host_id(const void *impl, int r) { return ddp_comm_host_id(impl, r); }
+static const char *pg_transport(void *impl, int r) { return ddp_comm_transport(impl, r); }
+static size_t pg_flight(void *impl, ddp_flight_entry *out, size_t max) {
+    return ddp_comm_flight(impl, out, max);
+}
+static void pg_progress(void *impl, uint64_t *submitted, uint64_t *completed,
+                        ddp_flight_entry *last_done) {
+    ddp_comm_progress(impl, submitted, completed, last_done);
+}
+static void pg_set_stall_store(void *impl, ddp_store *s, const char *prefix) {
+    ddp_comm_set_stall_store(impl, s, prefix);
+}
+
+static int pg_pending(void *impl) { return ddp_comm_pending(impl); }
+
+static const ddp_pg_info comm_pg_info = {
+    .tag = pg_tag, .peer_desc = pg_peer_desc, .host_id = pg_host_id,
+    .transport = pg_transport, .flight = pg_flight, .progress = pg_progress,
+    .set_stall_store = pg_set_stall_store, .pending = pg_pending,
+};
 
 static const ddp_pg_ops comm_pg_ops = {
-    "cpu", pg_submit, pg_work_done, pg_work_wait, pg_work_error, NULL, NULL,
-    pg_work_retain, pg_work_release, pg_abort, pg_retain, pg_release, pg_destroy,
-    pg_rank, pg_size, pg_device, 1,
+    .name = "cpu", .submit = pg_submit, .work_done = pg_work_done, .work_wait = pg_work_wait,
+    .work_error = pg_work_error, .work_publish = NULL, .work_drained = NULL,
+    .work_retain = pg_work_retain, .work_release = pg_work_release, .abort = pg_abort,
+    .retain = pg_retain, .release = pg_release, .destroy = pg_destroy, .rank = pg_rank,
+    .size = pg_size, .device = pg_device, .notifies = 1,
+    .run_inline = pg_run_inline, .info = &comm_pg_info,
 };
 
 ddp_pg ddp_comm_pg(ddp_comm *c) {

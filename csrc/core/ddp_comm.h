@@ -84,7 +84,8 @@ void ddp_comm_set_algo(ddp_comm *c, int algo);
 void ddp_comm_retain(ddp_comm *c);
 void ddp_comm_release(ddp_comm *c);
 
-/* c behind the one process-group interface (ddp_pg.h). */
+/* c behind the one process-group interface (ddp_pg.h): every op, run_inline
+ * (ddp_comm_run_inline) and the info table included. */
 ddp_pg ddp_comm_pg(ddp_comm *c);
 
 int ddp_comm_rank(const ddp_comm *c);
@@ -116,9 +117,10 @@ ddp_status ddp_comm_submit_opts(ddp_comm *c, const ddp_coll_args *a, const ddp_p
  * work queued or running) and the group usable, run it on the calling thread
  * now, exactly as the worker would (header exchange, sequence number, flight
  * record, progress counters, timeout, breaking on failure) and return its
- * status with *taken = 1; validation and "broken"/"destroyed" errors also
- * come with *taken = 1. Otherwise (another kind, too big, the engine busy)
- * *taken = 0 and nothing happened: submit it instead. The wait spins, then
+ * status with *taken = 1; on an idle engine validation and
+ * "broken"/"destroyed" errors also come with *taken = 1. Otherwise (another
+ * kind, too big, the engine busy) *taken = 0 and nothing happened, not even
+ * validation: submit it instead (which validates it). The wait spins, then
  * parks as the worker's does; check(check_ctx), if given, is asked while it
  * parks, at most every DDP_WAIT_SLICE_MS (nonzero aborts the run: the caller
  * should have broken the group first, e.g. ddp_comm_abort, so that peers fail
@@ -149,6 +151,10 @@ size_t ddp_comm_flight(ddp_comm *c, ddp_flight_entry *out, size_t max);
  * (zeroed if none). Thread-safe. */
 void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
                        ddp_flight_entry *last_done);
+/* How many collectives or point-to-point works are queued or running on c's
+ * communicator (every group over it) right now; 0 once it was destroyed.
+ * Thread-safe. */
+int ddp_comm_pending(ddp_comm *c);
 /* When a collective of any group of c times out, before the communicator
  * breaks, its worker announces it in the store s (retained) under prefix:
  * ADD "<prefix>/stuck_n" 1 -> i, then SET "<prefix>/stuck/<i>" to a STUCK

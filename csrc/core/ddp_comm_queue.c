@@ -376,24 +376,34 @@ ddp_status ddp_comm_submit_opts(ddp_comm *g, const ddp_coll_args *a, const ddp_p
     return DDP_OK;
 }
 
+/* Whether a on g may run inline (ddp_comm_run_inline): a blocking
+ * single-buffer kind (ALLREDUCE, BROADCAST, REDUCE, BARRIER) within the
+ * latency path's size, on a communicator with a worker to hand the next
+ * queued work to. The one place the lean path is decided; the engine's being
+ * idle is checked under the lock by the caller. */
+static int inline_fits(const ddp_comm *g, const ddp_coll_args *a) {
+    return (a->kind == DDP_COLL_ALLREDUCE || a->kind == DDP_COLL_BROADCAST ||
+            a->kind == DDP_COLL_REDUCE || a->kind == DDP_COLL_BARRIER) &&
+           call_bytes(g, a) <= g->group.small_bytes && g->root->has_worker;
+}
+
 ddp_status ddp_comm_run_inline(ddp_comm *g, const ddp_coll_args *a, int64_t timeout_ms,
                                int (*check)(void *ctx), void *check_ctx, int *taken) {
     ddp_comm *c = g->root;
     *taken = 0;
-    if ((a->kind != DDP_COLL_ALLREDUCE && a->kind != DDP_COLL_BROADCAST &&
-         a->kind != DDP_COLL_REDUCE && a->kind != DDP_COLL_BARRIER) ||
-        call_bytes(g, a) > g->group.small_bytes || !c->has_worker)
-        return DDP_OK;
-    *taken = 1;
-    ddp_status st = check_args(g, a);
-    if (st != DDP_OK) return st;
+    if (!inline_fits(g, a)) return DDP_OK;
     pthread_mutex_lock(&c->mu);
-    if (c->running || c->head != NULL) {    /* busy: behind the queue it goes */
+    if (c->running || c->head != NULL) {    /* busy: behind the queue it goes, and
+                                             * submit validates it (once) */
         pthread_mutex_unlock(&c->mu);
-        *taken = 0;
         return DDP_OK;
     }
-    if ((st = refuse_locked(c, g, a)) != DDP_OK) {
+    *taken = 1;
+    /* Validation is a few comparisons: under the lock, so the busy answer
+     * above needs none and a call is validated once whichever way it goes. */
+    ddp_status st = check_args(g, a);
+    if (st == DDP_OK) st = refuse_locked(c, g, a);
+    if (st != DDP_OK) {
         pthread_mutex_unlock(&c->mu);
         return st;
     }

@@ -4,6 +4,13 @@
  * the same sequence of all-reduces), the order gradients arrived in, and the
  * use flags behind find_unused_parameters. No data moves here; the CPU data
  * path (ddp_reducer_data.c) and the Python generic path both build on it.
+ *
+ * Beside it, DDP's per-gradient rules (ddp_grad_rules), which decide when a
+ * parameter becomes ready: the expected synced backward and its first
+ * gradient, per-parameter counts, static_graph's counts (learned in the
+ * first synced iteration, checked afterwards), the second-gradient and
+ * unused-parameter verdicts, and what the end of backward hands in. Both the
+ * C gradient hook and the Python path ask them (csrc/py/py_grad_hooks.c).
  */
 #include "ddp_reducer_int.h"
 
@@ -128,4 +135,141 @@ void ddp_reducer_fail(ddp_reducer *r, ddp_status st) {
     if (r->failed != DDP_OK) return;
     r->failed = st;
     ddp_copy_error(r->failed_msg, sizeof r->failed_msg);
+}
+
+/* ---- DDP's per-gradient rules ------------------------------------------ */
+
+struct ddp_grad_rules {
+    size_t n;
+    int static_graph, find_unused;
+    int expect;               /* a synced backward is expected */
+    int started;              /* a gradient arrived in it */
+    int learned;              /* static graph: expected[] holds iteration 1's counts */
+    int32_t *count;           /* [n] gradients in the current synced backward */
+    int32_t *expected;        /* [n] static graph, learned: the counts of iteration 1 */
+    size_t *seen;             /* [n] static graph, learning: first-gradient order */
+    size_t nseen;
+};
+
+ddp_status ddp_grad_rules_create(size_t n, int static_graph, int find_unused,
+                                 ddp_grad_rules **out) {
+    *out = NULL;
+    ddp_grad_rules *s = calloc(1, sizeof *s);
+    size_t m = n ? n : 1;
+    if (s != NULL) {
+        s->count = calloc(m, sizeof *s->count);
+        s->expected = calloc(m, sizeof *s->expected);
+        s->seen = calloc(m, sizeof *s->seen);
+    }
+    if (s == NULL || !s->count || !s->expected || !s->seen) {
+        ddp_grad_rules_destroy(s);
+        return ddp_error(DDP_ERR_NOMEM, "DDP: out of memory for the gradient rules of %zu "
+                         "parameters", n);
+    }
+    s->n = n;
+    s->static_graph = static_graph != 0;
+    s->find_unused = find_unused != 0 && !static_graph;
+    *out = s;
+    return DDP_OK;
+}
+
+void ddp_grad_rules_destroy(ddp_grad_rules *s) {
+    if (s == NULL) return;
+    free(s->count);
+    free(s->expected);
+    free(s->seen);
+    free(s);
+}
+
+void ddp_grad_rules_begin(ddp_grad_rules *s) {
+    memset(s->count, 0, s->n * sizeof *s->count);
+    s->nseen = 0;
+    s->started = 0;
+    s->expect = 1;
+}
+
+void ddp_grad_rules_stop(ddp_grad_rules *s) { s->expect = 0; }
+
+int ddp_grad_rules_expecting(const ddp_grad_rules *s) { return s->expect; }
+
+int ddp_grad_rules_learning(const ddp_grad_rules *s) {
+    return s->static_graph && !s->learned;
+}
+
+/* Use is noted for find_unused, and in a static graph's first iteration. */
+static int tracks_use(const ddp_grad_rules *s) {
+    return s->find_unused || ddp_grad_rules_learning(s);
+}
+
+int ddp_grad_rules_listening(const ddp_grad_rules *s) { return s->expect || tracks_use(s); }
+
+ddp_status ddp_grad_rules_on_grad(ddp_grad_rules *s, ddp_reducer *r, size_t i, int has_grad,
+                                  ddp_grad_verdict *v) {
+    memset(v, 0, sizeof *v);
+    v->action = DDP_GRAD_IGNORE;
+    v->expected = 1;
+    if (i >= s->n)
+        return ddp_error(DDP_ERR_INVALID, "DDP: gradient of parameter %zu, but there are %zu",
+                         i, s->n);
+    if (has_grad && r != NULL && tracks_use(s)) ddp_reducer_note_used(r, i);
+    if (!s->expect) return DDP_OK;
+    v->first = !s->started;
+    s->started = 1;
+    v->count = ++s->count[i];
+    if (!s->static_graph) {
+        v->action = v->count > 1 ? DDP_GRAD_SECOND : DDP_GRAD_READY;
+        return DDP_OK;
+    }
+    if (!s->learned) {            /* iteration 1 of a static graph reduces at the end */
+        if (v->count == 1) s->seen[s->nseen++] = i;
+        v->action = DDP_GRAD_WAIT;
+        return DDP_OK;
+    }
+    v->premark = v->first;        /* parameters the static graph never uses */
+    v->expected = s->expected[i];
+    v->action = v->count > v->expected ? DDP_GRAD_TOO_MANY
+              : v->count < v->expected ? DDP_GRAD_WAIT : DDP_GRAD_READY;
+    return DDP_OK;
+}
+
+void ddp_grad_rules_end(ddp_grad_rules *s, const ddp_reducer *r, size_t *idx,
+                        ddp_grad_end *out) {
+    int learning = ddp_grad_rules_learning(s);
+    s->expect = 0;
+    out->outcome = DDP_GRAD_END_OK;
+    out->track_used = s->find_unused || learning;
+    out->n = ddp_reducer_unready(r, idx, s->n);
+    if (out->n == 0 || s->find_unused) return;
+    if (!learning) {
+        out->outcome = s->static_graph ? DDP_GRAD_END_STATIC_UNUSED : DDP_GRAD_END_UNUSED;
+        return;
+    }
+    /* Every unready parameter: first those seen, in arrival order, then the
+     * rest in registration order. */
+    const uint8_t *ready = r->in_iter ? r->ready : NULL;   /* NULL: none is ready */
+    size_t k = 0;
+    for (size_t j = 0; j < s->nseen; j++)
+        if (ready == NULL || !ready[s->seen[j]]) idx[k++] = s->seen[j];
+    for (size_t i = 0; i < s->n; i++)
+        if ((ready == NULL || !ready[i]) && s->count[i] == 0) idx[k++] = i;
+    out->n = k;
+}
+
+int ddp_grad_rules_learn(ddp_grad_rules *s) {
+    if (!ddp_grad_rules_learning(s)) return 0;
+    memcpy(s->expected, s->count, s->n * sizeof *s->count);
+    s->learned = 1;
+    return 1;
+}
+
+size_t ddp_grad_rules_never_used(const ddp_grad_rules *s, size_t *idx) {
+    size_t k = 0;
+    if (!s->learned) return 0;
+    for (size_t i = 0; i < s->n; i++)
+        if (s->expected[i] == 0) idx[k++] = i;
+    return k;
+}
+
+int32_t ddp_grad_rules_count(const ddp_grad_rules *s, size_t i) {
+    return i < s->n ? s->count[i] : 0;
 }

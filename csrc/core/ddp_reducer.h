@@ -15,7 +15,8 @@
  *    every rank computes the same plan from the same inputs.
  *    With a reduce dtype (float16 or bfloat16), float32/float64 parameters
  *    get buckets of that dtype: caps count its bytes, the data path narrows
- *    gradients on the way in and widens averages on the way out.
+ *    gradients on the way in and widens averages on the way out
+ *    (ddp_plan_bucket_rule says how each bucket is reduced).
  *
  * 2. Readiness bookkeeping (ddp_reducer.c). One synced iteration runs
  *    begin -> mark_ready per parameter -> (launch buckets) -> end. A bucket
@@ -23,12 +24,16 @@
  *    was handed out, so all ranks launch their all-reduces in bucket order no
  *    matter in which order gradients arrive. It also records the arrival
  *    order (for the one-time rebuild) and which parameters were used since
- *    the last synced iteration (for find_unused_parameters).
+ *    the last synced iteration (for find_unused_parameters). Beside it, in
+ *    the same file, DDP's per-gradient rules (ddp_grad_rules: counts, the
+ *    first gradient, static_graph's learned counts, the second-gradient
+ *    error) decide when a parameter is ready; every front-end path asks them.
  *
  * 3. The data path for buffers the CPU can read and write
  *    (ddp_reducer_data.c): copy each ready gradient into its bucket slot,
  *    launch each launchable bucket's averaged all-reduce through a small ops
- *    table (ddp_reducer_comm_ops queues it on a ddp_comm worker thread, so
+ *    table (ddp_reducer_pg_ops submits it through a process group's ddp_pg
+ *    table; the CPU communicator queues it on its worker thread, so
  *    communication overlaps the rest of backward), then at the end wait for
  *    all of them and copy the averages back into the gradient arrays.
  *
@@ -43,7 +48,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "ddp_clock.h"
-#include "ddp_comm.h"
+#include "ddp_pg.h"
 #include "ddp_dtype.h"
 #include "ddp_status.h"
 
@@ -95,6 +100,24 @@ ddp_status ddp_plan_buckets_as(const ddp_plan_param *params, size_t n, const siz
 /* Free a plan's arrays and zero it. Safe on a zeroed plan. */
 void ddp_plan_free(ddp_plan *p);
 
+/* How bucket b of a plan is reduced across world_size ranks: the one
+ * statement of the bucket data rule, which the CPU data path follows and the
+ * generic (array library / NCCL) path asks for. A narrowed bucket
+ * (bucket_grad_dtype != bucket_dtype) rounds each gradient once to the
+ * bucket's dtype on the way in and widens the average on the way out; a
+ * float16 one divides each gradient by world_size first and is all-reduced
+ * with SUM (the sum is then the average, and cannot overflow where the
+ * gradients do not, as torch's fp16_compress_hook); every other bucket holds
+ * the gradients themselves and is all-reduced with AVG. */
+typedef struct ddp_bucket_rule {
+    int narrow;         /* round to bucket_dtype on the way in, widen on the way out */
+    int divisor;        /* divide each gradient by this on the way in (1: not at all) */
+    ddp_redop op;       /* DDP_SUM over divided slots, else DDP_AVG */
+} ddp_bucket_rule;
+
+/* The rule of bucket b (< nbuckets) for world_size >= 1 ranks. */
+ddp_bucket_rule ddp_plan_bucket_rule(const ddp_plan *p, size_t b, int world_size);
+
 /* ---- 2. readiness ---------------------------------------------------- */
 
 typedef struct ddp_reducer ddp_reducer;
@@ -141,6 +164,109 @@ size_t ddp_reducer_arrival(const ddp_reducer *r, size_t *out, size_t cap);
 /* End the iteration (bookkeeping only): clears the local use flags. */
 void ddp_reducer_end(ddp_reducer *r);
 
+/* ---- 2b. DDP's per-gradient rules ------------------------------------ */
+
+/* The one owner of the rules that turn "parameter i's gradient was
+ * accumulated" into what DDP does with it (torch's semantics): whether a
+ * synced backward is expected, the first gradient of that backward (after
+ * which the front-end runs the end-of-backward step), each parameter's
+ * gradient count in it, the use flags of find_unused_parameters (noted in
+ * the reducer), and for static_graph the counts learned in the first synced
+ * iteration and checked in every later one. It lives apart from the reducer
+ * because it outlives it: DDP re-plans its buckets once (a new reducer),
+ * while a static graph's learned counts stay. Errors of the model (a second
+ * gradient, a graph that is not static, unused parameters) are verdicts, not
+ * statuses: the front-end words them, naming the parameters. One thread at a
+ * time (the Python layer holds the GIL). */
+typedef struct ddp_grad_rules ddp_grad_rules;
+
+/* Rules for n parameters. static_graph: the graph is the same every
+ * iteration (learned in the first synced one). find_unused: parameters may
+ * get no gradient (find_unused_parameters without static_graph; with
+ * static_graph the first iteration tracks use and later ones need not).
+ * DDP_ERR_NOMEM with *out NULL. */
+ddp_status ddp_grad_rules_create(size_t n, int static_graph, int find_unused,
+                                 ddp_grad_rules **out);
+void ddp_grad_rules_destroy(ddp_grad_rules *s);
+
+/* A synced backward is expected (the forward ran with gradients enabled,
+ * outside no_sync): every count 0, no gradient arrived yet. */
+void ddp_grad_rules_begin(ddp_grad_rules *s);
+
+/* No synced backward is expected any more (it ended, or DDP is gone). */
+void ddp_grad_rules_stop(ddp_grad_rules *s);
+
+/* 1 while a synced backward is expected. */
+int ddp_grad_rules_expecting(const ddp_grad_rules *s);
+
+/* 1 if a gradient arriving now matters at all: a synced backward is
+ * expected, or use is tracked (find_unused, or a static graph's first
+ * iteration, where gradients under no_sync count as use too). */
+int ddp_grad_rules_listening(const ddp_grad_rules *s);
+
+/* 1 for a static graph whose counts are not learned yet. */
+int ddp_grad_rules_learning(const ddp_grad_rules *s);
+
+typedef enum ddp_grad_action {
+    DDP_GRAD_IGNORE = 0,    /* no synced backward expected: nothing to reduce */
+    DDP_GRAD_WAIT,          /* counted, not final yet (static graph: more to come, or
+                             * its first iteration, which reduces at the end) */
+    DDP_GRAD_READY,         /* final for this backward: hand it to the data path */
+    DDP_GRAD_SECOND,        /* error: a second gradient in one backward, no static_graph */
+    DDP_GRAD_TOO_MANY       /* error: static_graph, more gradients than in iteration 1 */
+} ddp_grad_action;
+
+typedef struct ddp_grad_verdict {
+    ddp_grad_action action;
+    int first;              /* the first gradient of this synced backward */
+    int premark;            /* static graph: hand the never-used parameters
+                             * (ddp_grad_rules_never_used) to the data path first */
+    int32_t count;          /* parameter i's gradients in this backward, this one included */
+    int32_t expected;       /* static graph (learned): its count in iteration 1; else 1 */
+} ddp_grad_verdict;
+
+/* Parameter i's gradient was accumulated; has_grad: it is not None (a hook
+ * may run for a parameter whose gradient was reset). Notes its use in r when
+ * use is tracked (r may be NULL: nothing noted), then, in an expected synced
+ * backward, counts it and decides (*v). DDP_ERR_INVALID, nothing changed,
+ * for i out of range. */
+ddp_status ddp_grad_rules_on_grad(ddp_grad_rules *s, ddp_reducer *r, size_t i, int has_grad,
+                                  ddp_grad_verdict *v);
+
+typedef enum ddp_grad_end_outcome {
+    DDP_GRAD_END_OK = 0,        /* hand the listed parameters in, in order, then finish */
+    DDP_GRAD_END_UNUSED,        /* error: the listed parameters got no gradient */
+    DDP_GRAD_END_STATIC_UNUSED  /* error: ... though they did in a static graph's first
+                                 * iteration */
+} ddp_grad_end_outcome;
+
+typedef struct ddp_grad_end {
+    ddp_grad_end_outcome outcome;
+    size_t n;                   /* indices written to the caller's array */
+    int track_used;             /* finish with the use flags (ddp_reducer_finish) */
+} ddp_grad_end;
+
+/* The synced backward is over (stops expecting): which parameters that are
+ * not ready in r still have to be handed to the data path (as their current
+ * gradient or zeros), in which order, or which ones make it an error.
+ * find_unused: every unready one, registration order; a static graph's
+ * first iteration: every parameter, in the order its first gradient arrived,
+ * then those that got none. idx holds n >= nparams entries. */
+void ddp_grad_rules_end(ddp_grad_rules *s, const ddp_reducer *r, size_t *idx,
+                        ddp_grad_end *out);
+
+/* After the first synced iteration of a static graph finished without
+ * error: its counts become the expected ones. Returns 1 if it learned them
+ * now, 0 otherwise (not a static graph, or learned before). */
+int ddp_grad_rules_learn(ddp_grad_rules *s);
+
+/* Write the parameters a learned static graph never gives a gradient
+ * (expected count 0) to idx (n >= nparams entries); returns how many. */
+size_t ddp_grad_rules_never_used(const ddp_grad_rules *s, size_t *idx);
+
+/* Parameter i's gradients in the current (or last) synced backward. */
+int32_t ddp_grad_rules_count(const ddp_grad_rules *s, size_t i);
+
 /* ---- 3. CPU data path ------------------------------------------------ */
 
 /* How the data path starts and finishes an in-place all-reduce. wait sets
@@ -154,17 +280,16 @@ typedef struct ddp_reducer_ops {
     void (*release)(void *ctx, void *handle);
 } ddp_reducer_ops;
 
-/* Ops over a communicator: ctx is a ddp_comm*. */
-extern const ddp_reducer_ops ddp_reducer_comm_ops;
+/* Ops over a process group: ctx is a ddp_pg* (borrowed: the caller keeps
+ * the ddp_pg, and a reference on its communicator, valid while attached).
+ * Each launch is a ddp_pg_submit with the communicator's default timeout. */
+extern const ddp_reducer_ops ddp_reducer_pg_ops;
 
 /* Give the reducer its bucket buffers (bufs[b] holds bucket_numel[b]
  * elements of bucket_dtype[b]; borrowed) and the ops that reduce them across
- * world_size ranks. A bucket whose gradients are narrowed (bucket_grad_dtype
- * != bucket_dtype) holds each gradient divided by world_size and is
- * all-reduced with SUM (so its sum is the average and cannot overflow a
- * float16 where the float32 sum would not, as torch's fp16_compress_hook);
- * every other bucket is all-reduced with AVG. With world_size 1 the data path moves nothing: the
- * average over one rank is the gradient itself. DDP_ERR_INVALID if an
+ * world_size ranks. Each bucket is filled and all-reduced as
+ * ddp_plan_bucket_rule says. With world_size 1 the data path moves nothing:
+ * the average over one rank is the gradient itself. DDP_ERR_INVALID if an
  * iteration is running or a buffer is NULL. */
 ddp_status ddp_reducer_attach(ddp_reducer *r, void *const *bufs, const ddp_reducer_ops *ops,
                               void *ctx, int world_size);
@@ -174,8 +299,8 @@ void *ddp_reducer_slot(const ddp_reducer *r, size_t i);
 
 /* Parameter i's gradient is ready: copy grad (numel elements of dtype t,
  * the bucket's bucket_grad_dtype; NULL means zeros) into its slot unless it
- * already is the slot (narrowing it, divided by the world size, for a
- * narrowed bucket), mark it ready, and launch every bucket that became
+ * already is the slot (narrowed and divided as ddp_plan_bucket_rule says),
+ * mark it ready, and launch every bucket that became
  * launchable. copy_back: where finish writes the averaged gradient, in dtype
  * t (NULL: nowhere; the slot itself: no copy needed). With world size 1 and
  * copy_back == grad nothing is copied, so the gradient stays exact. Wrong dtype or size gives DDP_ERR_TYPE / DDP_ERR_INVALID with

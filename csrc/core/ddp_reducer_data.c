@@ -1,9 +1,10 @@
 /* ddp_reducer_data.c - the reducer's CPU data path (contract in
  * ddp_reducer.h): gradients are copied into bucket slots as they become
  * ready, each launchable bucket's averaged all-reduce is handed to the ops
- * table at once (for a communicator: queued on its worker thread, which runs
- * it while the caller's thread goes on with backward), and finish waits for
- * them in bucket order and copies the averages back.
+ * table at once (for a process group, ddp_reducer_pg_ops: submitted through
+ * its ddp_pg table; the CPU communicator queues it on its worker thread,
+ * which runs it while the caller's thread goes on with backward), and finish
+ * waits for them in bucket order and copies the averages back.
  *
  * Averaging is DDP_AVG: the collective sums across ranks and divides once at
  * the end, exactly as torch's DDP documents (sum, then divide by world size).
@@ -14,7 +15,9 @@
  * float16 sum is never larger than the largest gradient (torch's
  * fp16_compress_hook divides first too); bfloat16 has float32's range, so
  * its buckets hold the gradients themselves and use AVG, and the narrowing
- * is a plain rounding rather than a correctly rounded division.
+ * is a plain rounding rather than a correctly rounded division. That rule
+ * is ddp_plan_bucket_rule's (ddp_reducer_plan.c), which the generic path
+ * asks too.
  */
 #include "ddp_reducer_int.h"
 
@@ -23,10 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- ops over a communicator ------------------------------------------ */
+/* ---- ops over a process group (ddp_pg.h) ------------------------------- */
 
-static ddp_status comm_launch(void *ctx, void *buf, size_t count, ddp_dtype t, ddp_redop op,
-                              void **handle) {
+/* Queue an in-place all-reduce on the ddp_pg at ctx; the handle is its work. */
+static ddp_status pg_launch(void *ctx, void *buf, size_t count, ddp_dtype t, ddp_redop op,
+                            void **handle) {
+    const ddp_pg *pg = ctx;
     ddp_coll_args a;
     memset(&a, 0, sizeof a);
     a.kind = DDP_COLL_ALLREDUCE;
@@ -34,31 +39,30 @@ static ddp_status comm_launch(void *ctx, void *buf, size_t count, ddp_dtype t, d
     a.op = op;
     a.count = count;
     a.buf = buf;
-    ddp_work *w = NULL;
-    ddp_status st = ddp_comm_submit((ddp_comm *)ctx, &a, -1, &w);
-    *handle = w;
+    ddp_pg_opts o = {.timeout_ms = -1};
+    ddp_pg_work w;
+    ddp_status st = ddp_pg_submit(*pg, &a, &o, &w);
+    *handle = st == DDP_OK ? w.w : NULL;
     return st;
 }
 
-static ddp_status comm_wait(void *ctx, void *handle, ddp_wait w, int *done) {
-    (void)ctx;
-    ddp_work *work = handle;
-    ddp_work_wait(work, w);
-    *done = ddp_work_done(work);
+static ddp_status pg_wait(void *ctx, void *handle, ddp_wait w, int *done) {
+    const ddp_pg_ops *ops = ((const ddp_pg *)ctx)->ops;
+    ops->work_wait(handle, w);
+    *done = ops->work_done(handle);
     if (!*done) return ddp_wait_aborted(w) ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT;
     /* Done: ask again with a zero wait so the status is the work's own, not
      * a slice that expired just as it finished. */
-    ddp_status st = ddp_work_wait(work, ddp_wait_for(0, NULL));
-    if (st != DDP_OK) ddp_set_error_text(ddp_work_error(work));
+    ddp_status st = ops->work_wait(handle, ddp_wait_for(0, NULL));
+    if (st != DDP_OK) ddp_set_error_text(ops->work_error(handle));
     return st;
 }
 
-static void comm_release(void *ctx, void *handle) {
-    (void)ctx;
-    ddp_work_release(handle);
+static void pg_release(void *ctx, void *handle) {
+    ((const ddp_pg *)ctx)->ops->work_release(handle);
 }
 
-const ddp_reducer_ops ddp_reducer_comm_ops = {comm_launch, comm_wait, comm_release};
+const ddp_reducer_ops ddp_reducer_pg_ops = {pg_launch, pg_wait, pg_release};
 
 /* ---- attach and slots -------------------------------------------------- */
 
@@ -98,23 +102,12 @@ static ddp_status bucket_error(const ddp_reducer *r, ddp_status st, size_t b) {
                             ddp_dtype_name(p->bucket_dtype[b]));
 }
 
-/* 1 if bucket b narrows its gradients (they are reduced as a reduce dtype). */
-static int narrowed(const ddp_plan *p, size_t b) {
-    return p->bucket_grad_dtype[b] != p->bucket_dtype[b];
-}
-
-/* 1 if bucket b holds its gradients divided by the world size (float16). */
-static int predivided(const ddp_plan *p, size_t b) {
-    return narrowed(p, b) && p->bucket_dtype[b] == DDP_FLOAT16;
-}
-
 /* Launch buckets [first, first + count). Stops at the first failure, which
  * is remembered for finish and returned. */
 static ddp_status launch_range(ddp_reducer *r, size_t first, size_t count) {
     if (r->world == 1) return DDP_OK;   /* the average over one rank is the input */
     for (size_t b = first; b < first + count; b++) {
-        /* predivided slots hold gradient / world size already: their sum is the mean */
-        ddp_redop op = predivided(&r->plan, b) ? DDP_SUM : DDP_AVG;
+        ddp_redop op = ddp_plan_bucket_rule(&r->plan, b, r->world).op;
         ddp_status st = r->ops->launch(r->ctx, r->bufs[b], r->plan.bucket_numel[b],
                                        r->plan.bucket_dtype[b], op, &r->works[b]);
         if (st != DDP_OK) {
@@ -149,12 +142,12 @@ ddp_status ddp_reducer_ready(ddp_reducer *r, size_t i, const void *grad, ddp_dty
     /* With one rank the averaged gradient equals the gradient, so a value
      * that would be copied back to where it came from need not move at all. */
     int stays = r->world == 1 && grad != NULL && copy_back == grad;
+    ddp_bucket_rule rule = ddp_plan_bucket_rule(p, b, r->world);
     if (!stays) {
         if (grad == NULL)
             memset(slot, 0, p->param_numel[i] * esz);
-        else if (narrowed(p, b))
-            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i],
-                            predivided(p, b) ? r->world : 1);
+        else if (rule.narrow)
+            ddp_cast_narrow(p->bucket_dtype[b], slot, t, grad, p->param_numel[i], rule.divisor);
         else if (grad != slot)
             memcpy(slot, grad, p->param_numel[i] * esz);
     }
@@ -196,7 +189,7 @@ static ddp_status wait_one(ddp_reducer *r, void **h, size_t b, ddp_wait w, int r
 static void copy_back_bucket(ddp_reducer *r, size_t b, int track_used) {
     const ddp_plan *p = &r->plan;
     size_t esz = ddp_dtype_size(p->bucket_dtype[b]);
-    int widen = narrowed(p, b);
+    int widen = ddp_plan_bucket_rule(p, b, r->world).narrow;
     for (size_t k = p->bucket_begin[b]; k < p->bucket_begin[b + 1]; k++) {
         size_t i = p->members[k];
         if (r->copy_back[i] == NULL || (track_used && r->used_global[i] == 0)) continue;

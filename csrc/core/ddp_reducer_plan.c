@@ -11,6 +11,7 @@
  * position", the order in which they can become ready. With a reduce dtype
  * the keys stay (gradient dtype, device), but a float32/float64 key's
  * buckets are of the reduce dtype, and their bytes are counted in it.
+ * ddp_plan_bucket_rule states how each bucket is then reduced.
  */
 #include "ddp_reducer.h"
 
@@ -200,4 +201,15 @@ ddp_status ddp_plan_buckets_as(const ddp_plan_param *params, size_t n, const siz
     free(seq);
     free(keys);
     return DDP_OK;
+}
+
+ddp_bucket_rule ddp_plan_bucket_rule(const ddp_plan *p, size_t b, int world_size) {
+    ddp_bucket_rule rule = {0, 1, DDP_AVG};
+    rule.narrow = p->bucket_grad_dtype[b] != p->bucket_dtype[b];
+    if (rule.narrow && p->bucket_dtype[b] == DDP_FLOAT16) {
+        /* divided slots: their sum across ranks is the mean */
+        rule.divisor = world_size > 1 ? world_size : 1;
+        rule.op = DDP_SUM;
+    }
+    return rule;
 }

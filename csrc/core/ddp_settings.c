@@ -23,86 +23,94 @@
 #define GIB ((int64_t)1 << 30)
 #define CORE DDP_SETTING_CORE
 #define NOMAX INT64_MAX
+#define ALL NULL   /* scope: every backend */
 
 static const ddp_setting_decl table[] = {
     {"PYDDP_TIMEOUT", DDP_SETTING_SECONDS, "1800", 1800, 0, NOMAX, 0,
-     "seconds; bounds every wait (store connection, rendezvous, each collective) unless "
-     "`init_process_group(timeout=...)` is given"},
+     "seconds; bounds every wait (store connection, rendezvous, each collective). pyddp's "
+     "own `init_process_group(timeout=...)` wins over it; under torch's backend `\"pyddp\"` "
+     "(torch's `init_process_group`, Lightning, Accelerate), which always passes a timeout "
+     "of its own (30 min by default), a set `PYDDP_TIMEOUT` wins", ALL},
+    {"PYDDP_EXIT_WAIT", DDP_SETTING_SECONDS, "10", 10, 0, NOMAX, 0,
+     "seconds a process that exits without `destroy_process_group()` waits for collectives "
+     "it still has queued or running (an `async_op=True` handle never waited for, say) "
+     "before it aborts them, so that it ends and its peers fail at once instead of waiting "
+     "for the timeout (see [design.md](design.md#failure-handling))", "CPU transport"},
     {"PYDDP_SOCKET_IFNAME", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "network interface whose address this rank advertises to its peers (e.g. `eth1`). "
      "Without it pyddp uses the local address that routes to `MASTER_ADDR`, which is right "
-     "on VMs whose host name resolves to 127.0.1.1"},
+     "on VMs whose host name resolves to 127.0.1.1", ALL},
     {"PYDDP_PEER_DEAD_S", DDP_SETTING_INT, "15", 15, 2, 86400, CORE,
      "CPU backend (and every store connection): seconds without any answer from a peer's "
      "host (not even its kernel's TCP acknowledgements or keepalive replies) after which "
      "the peer's host, or the network to it, is reported down. A peer that is alive but "
-     "stopped or slow still answers and is not affected"},
+     "stopped or slow still answers and is not affected", "CPU transport, store connections"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "`lo-hi`: the data port each rank listens on is taken from this range (for firewalled "
-     "VMs whose security group opens only a range). Without it, an ephemeral port"},
+     "VMs whose security group opens only a range). Without it, an ephemeral port", "CPU transport"},
     {"PYDDP_AUTH_TOKEN", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
      "shared secret, the same on every node: every pyddp connection (data links, pyddp's "
      "store) then starts with a mutual HMAC-SHA256 challenge-response (see "
      "[security.md](security.md)). Set empty to silence the warning a multi-host job without "
-     "it prints"},
+     "it prints", ALL},
     {"PYDDP_AUTH_TOKEN_FILE", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
      "path of a file holding the token (read once; a trailing newline is ignored), used when "
-     "`PYDDP_AUTH_TOKEN` is unset or empty"},
+     "`PYDDP_AUTH_TOKEN` is unset or empty", ALL},
     {"PYDDP_STORE_BUFFER_BYTES", DDP_SETTING_BYTES, "268435456", 256 * MIB, 1 * MIB, NOMAX,
      CORE, "pyddp's store server: total bytes it holds for requests over 64 KiB while they "
      "arrive (smaller ones are not counted); when it runs out, the incomplete request "
-     "silent longest is closed to make room, and a request larger than all of it is refused"},
+     "silent longest is closed to make room, and a request larger than all of it is refused", "pyddp's store server"},
     {"PYDDP_STORE_REQUEST_TIMEOUT", DDP_SETTING_SECONDS, "30", 30, 0, NOMAX, CORE,
      "pyddp's store server: seconds a request may stay incomplete before its connection is "
-     "closed (a connection's first request gets at most 5 s)"},
+     "closed (a connection's first request gets at most 5 s)", "pyddp's store server"},
     {"PYDDP_SHM_DISABLE", DDP_SETTING_BOOL, NULL, 0, 0, 1, CORE,
-     "`1` forces TCP between ranks on the same host (comparison, debugging)"},
+     "`1` forces TCP between ranks on the same host (comparison, debugging)", "CPU transport"},
     {"PYDDP_SHM_RING_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 64 * KIB, 256 * MIB, CORE,
      "bytes of each direction's ring in a same-host pair's shared-memory segment (power of "
-     "two, 64 KiB to 256 MiB)"},
+     "two, 64 KiB to 256 MiB)", "CPU transport"},
     {"PYDDP_SHM_CMA", DDP_SETTING_BOOL, NULL, 1, 0, 1, CORE,
      "`0` turns off the single-copy path (the receiver copying large sends straight out of "
-     "the sender's memory with `process_vm_readv`); everything then goes through the ring"},
+     "the sender's memory with `process_vm_readv`); everything then goes through the ring", "CPU transport"},
     {"PYDDP_SHM_CMA_MIN", DDP_SETTING_BYTES, "131072", 128 * KIB, 1, NOMAX, CORE,
-     "sends of at least this many bytes take the single-copy path where it is available"},
+     "sends of at least this many bytes take the single-copy path where it is available", "CPU transport"},
     {"PYDDP_SMALL_BYTES", DDP_SETTING_BYTES, "65536", 64 * KIB, 0, GIB, CORE,
-     "messages up to this size take the latency path (one exchange, no chunking)"},
+     "messages up to this size take the latency path (one exchange, no chunking)", "CPU transport"},
     {"PYDDP_CHUNK_BYTES", DDP_SETTING_BYTES, "262144", 256 * KIB, 1, GIB, CORE,
-     "pipeline chunk of the bandwidth path"},
+     "pipeline chunk of the bandwidth path", "CPU transport"},
     {"PYDDP_ALGO", DDP_SETTING_STRING, "auto", 0, 0, 0, CORE,
      "bandwidth-path algorithm across hosts: `auto` (hierarchical when the group spans "
      "several hosts and some host has several of its ranks, else the flat ring), `flat` or "
-     "`hier` (forced, where the layout allows it; for tests and benchmarks)"},
+     "`hier` (forced, where the layout allows it; for tests and benchmarks)", "CPU transport"},
     {"PYDDP_HIER_MIN_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 0, NOMAX, CORE,
      "with `PYDDP_ALGO=auto`, messages from this size up take the hierarchical algorithms "
-     "(smaller ones the flat ring, whose fewer stages cost less latency)"},
+     "(smaller ones the flat ring, whose fewer stages cost less latency)", "CPU transport"},
     {"PYDDP_SOCKET_BUFFER_BYTES", DDP_SETTING_BYTES, NULL, 0, 0, GIB, CORE,
      "fixed `SO_SNDBUF`/`SO_RCVBUF` for data connections; unset leaves the kernel's buffer "
-     "autotuning on (usually best)"},
+     "autotuning on (usually best)", "CPU transport"},
     {"PYDDP_NSOCKS_PERPEER", DDP_SETTING_INT, "1", 1, 1, 16, CORE,
      "TCP connections per pair of ranks that talk over TCP (1 to 16); each link's bytes are "
      "striped over them in 256 KiB segments. Worth 2-4 where the network caps each flow "
      "(clouds cap a single TCP flow, e.g. at 5 Gbit/s) or the NIC is faster than one "
      "connection goes; costs a little where one flow already fills the link (see "
-     "[multi-vm.md](multi-vm.md)). Must be the same on every rank"},
+     "[multi-vm.md](multi-vm.md)). Must be the same on every rank", "CPU transport"},
     {"PYDDP_NCCL_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
-     "path of `libnccl.so.2` to load for `backend=\"nccl\"` (see [gpu.md](gpu.md))"},
+     "path of `libnccl.so.2` to load for `backend=\"nccl\"` (see [gpu.md](gpu.md))", "NCCL"},
     {"PYDDP_CUDART_LIBRARY", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
-     "path of the CUDA runtime (`libcudart.so.13`/`.12`) to load for `backend=\"nccl\"`"},
+     "path of the CUDA runtime (`libcudart.so.13`/`.12`) to load for `backend=\"nccl\"`", ALL},
     {"PYDDP_DUMP_ON_SIGNAL", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1`: `SIGUSR1` prints this process's flight record (its last 64 collectives) on "
-     "stderr, as `pyddp.dump_flight_record()` does"},
+     "stderr, as `pyddp.dump_flight_record()` does", ALL},
+    {"PYDDP_DOCTOR_FAKE_VERSION", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
+     "`pkg=version[,pkg=version]`: the versions `python -m pyddp.doctor` reports and "
+     "compares across ranks, overridden (to try the mismatch report); `9.9` alone means "
+     "pyddp's", ALL},
     {"PYDDP_DEBUG_FORENSICS", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1`: say on stderr why a straggler report or a first-failure note could not be "
-     "made (the store was gone, a request failed)"},
+     "made (the store was gone, a request failed)", ALL},
     {"PYDDP_DDP_GENERIC_PATH", DDP_SETTING_BOOL, NULL, 0, 0, 1, DDP_SETTING_DEBUG,
      "`1` makes DistributedDataParallel use its generic bucket path (copies by the array "
      "library, all-reduce through the process group) instead of the C path, as it does for "
-     "GPU groups"},
-    {"PYDDP_DOCTOR_FAKE_VERSION", DDP_SETTING_STRING, NULL, 0, 0, 0, DDP_SETTING_DEBUG,
-     "`pkg=version[,pkg=version]`: the versions `python -m pyddp.doctor` reports for those "
-     "packages instead of the installed ones (`9.9` alone means pyddp's), to test its "
-     "version check"},
+     "GPU groups", ALL},
 };
 #define NSET (sizeof table / sizeof table[0])
 

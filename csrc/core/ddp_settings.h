@@ -46,6 +46,8 @@ typedef struct ddp_setting_decl {
     int64_t min, max;      /* INT/BYTES/SECONDS: bounds, inclusive (seconds: whole) */
     unsigned flags;
     const char *doc;       /* one line, Markdown, as in docs/env.md */
+    const char *scope;     /* where it applies, docs/env.md's column: "CPU transport",
+                            * "NCCL", ...; NULL: every backend (not shown for debug ones) */
 } ddp_setting_decl;
 
 /* The whole table, in the order docs/env.md lists it; *n = its length. */

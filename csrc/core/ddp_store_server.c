@@ -166,9 +166,7 @@ static int conn_auth(ddp_store_server *srv, ddp_store_conn *c) {
     return 1;
 }
 
-/* Parse and run every complete request in c's input. Returns -1 if the
- * connection must be dropped (bad request or out of memory). */
-static int conn_process(ddp_store_server *srv, ddp_store_conn *c) {
+int ddp_store_conn_process(ddp_store_server *srv, ddp_store_conn *c) {
     if (!srv->has_key && !c->validated && ddp_wbuf_size(&c->in) > 0 &&
         ddp_wbuf_data(&c->in)[0] == DDP_Q_AUTH) {
         /* A client with a token, a server without: say so before closing. */
@@ -209,7 +207,7 @@ static int conn_process(ddp_store_server *srv, ddp_store_conn *c) {
 static int conn_read(ddp_store_server *srv, ddp_store_conn *c) {
     size_t total = 0;
     while (total < READ_BUDGET) {
-        if (conn_process(srv, c) < 0) {
+        if (ddp_store_conn_process(srv, c) < 0) {
             c->dead = 1;
             return 0;
         }
@@ -282,7 +280,7 @@ static void serve_round(ddp_store_server *srv) {
         if (re & (POLLIN | POLLHUP | POLLERR)) gone = conn_read(srv, c) < 0;
         /* Requests that fully arrived before a disconnect still take effect,
          * and a client that only half-closed still gets their replies. */
-        if (!c->dead && conn_process(srv, c) < 0) c->dead = 1;
+        if (!c->dead && ddp_store_conn_process(srv, c) < 0) c->dead = 1;
         if (gone || (!c->dead && ddp_store_input_fits(srv, c) < 0)) c->dead = 1;
         if (gone && !c->authed && c->auth_stage == 1)   /* it saw our proof and left */
             auth_reject(c, "it closed the connection after the server's proof (a different "

@@ -113,6 +113,17 @@ void ddp_store_input_trim(ddp_store_server *srv, ddp_store_conn *c);
 /* Free c's input buffer and take it off the books (c closing or evicted). */
 void ddp_store_input_release(ddp_store_server *srv, ddp_store_conn *c);
 
+/* One server round's work on c's buffered input: while c has not
+ * authenticated, the token handshake's next step (the caller buffers no
+ * more than that step's bytes: query, magic and nonce, then the proof;
+ * ddp_store_input_room says how much);
+ * then every complete request, through ddp_store_handle. Answers are
+ * queued on c->out (the few sent before a drop go out on c->fd at once).
+ * Returns -1 if the connection must be dropped (a failed or garbled
+ * handshake, a bad request, out of memory), else 0. Called by the server
+ * thread, and by tests/fuzz/fuzz_store_auth.c on arbitrary bytes. */
+int ddp_store_conn_process(ddp_store_server *srv, ddp_store_conn *c);
+
 /* Forget c's pending WAIT, removing it from the waiter index. */
 void ddp_store_conn_clear_wait(ddp_store_server *srv, ddp_store_conn *c);
 

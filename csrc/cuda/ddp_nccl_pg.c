@@ -60,10 +60,17 @@ static int np_rank(const void *impl) { return ddp_nccl_comm_rank(impl); }
 static int np_size(const void *impl) { return ddp_nccl_comm_size(impl); }
 static int np_device(const void *impl) { return ddp_nccl_comm_device(impl); }
 
+/* No inline path and no info table: NCCL launches asynchronously on its own
+ * stream, and the communicator keeps no peer table of its own (made from a
+ * unique id in the store); introspection goes to the group's CPU
+ * communicator. */
 static const ddp_pg_ops nccl_pg_ops = {
-    "nccl", np_submit, np_done, np_wait, np_error, np_publish, np_drained,
-    np_work_retain, np_work_release, np_abort, np_retain, np_release, np_destroy,
-    np_rank, np_size, np_device, 0,
+    .name = "nccl", .submit = np_submit, .work_done = np_done, .work_wait = np_wait,
+    .work_error = np_error, .work_publish = np_publish, .work_drained = np_drained,
+    .work_retain = np_work_retain, .work_release = np_work_release, .abort = np_abort,
+    .retain = np_retain, .release = np_release, .destroy = np_destroy, .rank = np_rank,
+    .size = np_size, .device = np_device, .notifies = 0,
+    .run_inline = NULL, .info = NULL,
 };
 
 ddp_pg ddp_nccl_pg(ddp_nccl_comm *c) {

@@ -1,13 +1,14 @@
 /* module.c - the pyddp._C extension module: multi-phase init that registers
- * the exception classes and every binding type defined in csrc/py, and the
- * module's constants (the wire version; the forensics store schema of
- * ddp_forensics.h, which pyddp/_forensics.py reads records by). */
+ * the exception classes and every binding type defined in csrc/py (the
+ * process group's registration adds WIRE_VERSION: py_pg.c makes the CPU
+ * communicator), and the forensics store schema of ddp_forensics.h, which
+ * pyddp/_forensics.py reads records by. */
 #include "py_common.h"
-#include "ddp_comm.h"
 #include "ddp_forensics.h"
 
 /* FX_KEYS {role: key name} (incidents: DDP_FX_STUCK_N, incident: DDP_FX_STUCK,
- * report, read, failures: DDP_FX_BROKEN_N, failure: DDP_FX_BROKEN), FX_STUCK_FIELDS/FX_BROKEN_FIELDS ("rank;tag;...") and
+ * report, read, failures: DDP_FX_BROKEN_N, failure: DDP_FX_BROKEN),
+ * FX_STUCK_FIELDS/FX_BROKEN_FIELDS ("rank;tag;...") and
  * FX_STUCK_FORMAT/FX_BROKEN_FORMAT (the C writers' formats, for the check
  * that fields and formats agree). */
 static int add_forensics_schema(PyObject *m) {
@@ -36,7 +37,6 @@ static int ddp_exec(PyObject *m) {
     if (ddp_py_reducer_register(m) < 0) return -1;
     if (ddp_py_grad_hooks_register(m) < 0) return -1;
     if (ddp_py_settings_register(m) < 0) return -1;
-    if (PyModule_AddIntConstant(m, "WIRE_VERSION", DDP_WIRE_VERSION) < 0) return -1;
     if (add_forensics_schema(m) < 0) return -1;
     return 0;
 }

@@ -366,6 +366,11 @@ void ddp_py_array_release(ddp_py_array *a) {
     Py_CLEAR(a->owner);
 }
 
+void ddp_py_arrays_free(ddp_py_array *arrs, size_t n) {
+    for (size_t i = 0; arrs && i < n; i++) ddp_py_array_release(&arrs[i]);
+    PyMem_Free(arrs);
+}
+
 int ddp_py_array_init(void) {
     import_array1(-1);
     return 0;

@@ -46,10 +46,14 @@ int ddp_py_array_import_stream(PyObject *obj, int writable, const char *argname,
 /* Release what ddp_py_array_import took. Safe on a zeroed struct. */
 void ddp_py_array_release(ddp_py_array *a);
 
+/* Release arrs[0..n) (zeroed entries are fine) and free the PyMem block
+ * arrs itself; NULL is a no-op. */
+void ddp_py_arrays_free(ddp_py_array *arrs, size_t n);
+
 /* Fill a collective's core arguments from its imported arrays a (input) and
  * b (output) by kind (ddp_coll.h's conventions), checking that they are
  * present where required and that sizes and dtypes agree; -1 with
- * DistValueError otherwise. Defined in py_pg.c; used by both process groups. */
+ * DistValueError otherwise. Defined in py_pg_args.c. */
 struct ddp_coll_args;
 int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *a,
                           ddp_py_array *b, struct ddp_coll_args *ca);

@@ -13,8 +13,6 @@
  */
 #include "py_common.h"
 
-#include "ddp_comm.h"
-
 #include <errno.h>
 #include <pthread.h>
 #include <time.h>
@@ -125,7 +123,7 @@ int ddp_py_check_signals(void *p) {
 
 typedef struct {
     ddp_py_sig_check sc;
-    ddp_comm *comm;
+    ddp_pg pg;
 } inline_check;
 
 /* The inline run's check hook: on a handler's exception, abort the group as
@@ -134,18 +132,20 @@ typedef struct {
 static int inline_hook(void *p) {
     inline_check *ic = p;
     if (!ddp_py_check_signals(&ic->sc)) return 0;
-    ddp_comm_abort(ic->comm, DDP_PY_SIGNAL_ABORT);
+    ic->pg.ops->abort(ic->pg.impl, DDP_PY_SIGNAL_ABORT);
     return 1;
 }
 
-int ddp_py_run_inline(ddp_comm *c, const ddp_coll_args *a, int64_t timeout_ms) {
-    inline_check ic = {{NULL, NULL, NULL, NULL}, c};
+int ddp_py_run_inline(ddp_pg pg, const ddp_coll_args *a, int64_t timeout_ms) {
+    if (pg.ops->run_inline == NULL) return 1;
+    inline_check ic = {{NULL, NULL, NULL, NULL}, pg};
+    ddp_pg_interrupt intr = {inline_hook, &ic};
     int taken = 0;
-    ddp_comm_retain(c);   /* against a destroy() from a handler or another thread */
+    pg.ops->retain(pg.impl);   /* against a destroy() from a handler or another thread */
     ic.sc.ts = PyEval_SaveThread();
-    ddp_status st = ddp_comm_run_inline(c, a, timeout_ms, inline_hook, &ic, &taken);
+    ddp_status st = pg.ops->run_inline(pg.impl, a, timeout_ms, &intr, &taken);
     PyEval_RestoreThread(ic.sc.ts);
-    ddp_comm_release(c);
+    pg.ops->release(pg.impl);
     if (ic.sc.et != NULL) {
         PyErr_Restore(ic.sc.et, ic.sc.ev, ic.sc.tb);
         return -1;

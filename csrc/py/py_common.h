@@ -55,23 +55,22 @@ typedef struct {
 } ddp_py_sig_check;
 int ddp_py_check_signals(void *sig_check);
 
-/* The inline fast path of a blocking small collective on the CPU
- * communicator c (ddp_comm_run_inline): runs it on this thread with the GIL
- * released when the engine is idle, Python's signal handlers asked every
- * 100 ms while it waits for peers; a handler's exception (Ctrl-C) aborts the
- * group as ddp_py_wait does, and is raised once the run returned. 0 done, -1
- * with an exception set (the collective's error or the handler's), 1 not
- * taken (nothing happened: queue it). Called with the GIL; the arrays of a
- * must stay valid for the call. */
-struct ddp_comm;
+/* The inline fast path of a blocking small collective through pg's
+ * run_inline op (ddp_pg.h; the CPU communicator has one, NCCL none): runs it
+ * on this thread with the GIL released when the transport takes it, Python's
+ * signal handlers asked every 100 ms while it waits for peers; a handler's
+ * exception (Ctrl-C) aborts the group as ddp_py_wait does, and is raised once
+ * the run returned. 0 done, -1 with an exception set (the collective's error
+ * or the handler's), 1 not taken (nothing happened: queue it). Called with
+ * the GIL; the arrays of a must stay valid for the call. */
 #include "ddp_coll.h"
-int ddp_py_run_inline(struct ddp_comm *c, const ddp_coll_args *a, int64_t timeout_ms);
+#include "ddp_pg.h"
+int ddp_py_run_inline(ddp_pg pg, const ddp_coll_args *a, int64_t timeout_ms);
 
-/* The CPU communicator behind a pyddp._C.ProcessGroup, with a reference the
- * caller drops with ddp_comm_release; NULL with an exception set when obj is
- * not a ProcessGroup or was destroyed. */
-struct ddp_comm;
-struct ddp_comm *ddp_py_pg_comm_ref(PyObject *pg);
+/* The CPU transport behind a pyddp._C.ProcessGroup into *out, with a
+ * reference the caller drops with out->ops->release; 0, or -1 with an
+ * exception set when obj is not a ProcessGroup or was destroyed. */
+int ddp_py_pg_cpu_ref(PyObject *pg, ddp_pg *out);
 
 /* The C client behind a pyddp._C.StoreClient with a reference of the caller's
  * own (give it back with ddp_store_release, with or without the GIL), or NULL

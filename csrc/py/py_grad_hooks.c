@@ -1,37 +1,45 @@
-/* py_grad_hooks.c - pyddp._C.GradHooks: the per-iteration state of DDP's
- * gradient hooks, and the hooks themselves for the common torch case.
+/* py_grad_hooks.c - pyddp._C.GradHooks: DDP's gradient hooks, and the
+ * Python face of DDP's per-gradient rules (ddp_grad_rules, in
+ * csrc/core/ddp_reducer.c), which it owns.
  *
- * GradSync (pyddp/_ddp_reducer.py) keeps its iteration state here: whether a
- * synced backward is expected, whether a gradient has arrived in it, and how
- * many gradients each parameter received. The torch front-end registers
- * hook(i) on each parameter (register_post_accumulate_grad_hook). A hook
- * does the whole job in C when the lean conditions hold:
- *   - a CPU reducer is set (set_lean(reducer): the C data path, none of
- *     static_graph, find_unused_parameters or gradient_as_bucket_view);
+ * The rules are asked through one entry, whichever path a gradient takes:
+ * the torch front-end registers hook(i) on each parameter
+ * (register_post_accumulate_grad_hook), and the hook applies the rules in C;
+ * the array front-end (and any caller without a hook) calls on_grad(i,
+ * has_grad), which applies the same rules and returns their verdict. The
+ * rules note use in the reducer set by set_reducer(reducer, lean), count the
+ * gradient, and decide (see ddp_grad_verdict). After the verdict, a hook
+ * does the whole job in C when:
+ *   - lean is set (the CPU reducer's C data path, none of static_graph,
+ *     find_unused_parameters or gradient_as_bucket_view);
+ *   - the verdict is "ready" with nothing to pre-mark;
  *   - the parameter's .grad is a torch.Tensor, CPU, strided, contiguous, of
- *     a dtype in the `dtypes` map (torch dtype -> ddp_dtype code);
- *   - it is the parameter's first gradient of the iteration.
- * Then it counts the gradient, hands it to the reducer by address (copied
- * back when the average is ready) and, for the first gradient of the
- * iteration, calls `first()` (which queues the end-of-backward callback).
- * Anything else calls `slow(i, param)`, the Python path, which keeps every
- * rule and message; so does an error from the reducer (`failed(exc)` turns
- * it into DDP's error and breaks the group). On the lean path a hook does
- * nothing outside an expected synced backward (no_sync, evaluation); without
- * a reducer every call goes to slow().
+ *     a dtype in the `dtypes` map (torch dtype -> ddp_dtype code; the same
+ *     test as pyddp/_arrays.py's torch_cpu_code, which supplies the map).
+ * Then it hands the gradient to the reducer by address (copied back when the
+ * average is ready); a reducer error calls `failed(exc)`, which turns it into
+ * DDP's error and breaks the group. Any other verdict that asks for work
+ * (ready, pre-mark, an error) calls `act(i, verdict)`, the Python side, which
+ * moves the data with the array library and words the errors. Last, for the
+ * first gradient of a synced backward, the hook calls `first()` (which
+ * queues the end-of-backward callback).
  *
- * GradHooks(nparams)
- *   expect, started: bools, read and written by GradSync.
- *   count(i), bump(i) -> the new count, counts() -> list, reset().
- *   set_lean(reducer_or_None); slow, first, failed: callables; tensor_type,
- *   strided: torch.Tensor and torch.strided; dtypes: dict.
+ * GradHooks(nparams, static_graph=False, find_unused=False)
+ *   begin(); on_grad(i, has_grad) -> verdict; end_backward() -> (outcome,
+ *   indices, track_used); learn() -> bool; never_used() -> list;
+ *   counts() -> list; expect, learning: read-only bools.
+ *   A verdict is (action, first, premark, count, expected): the fields of
+ *   ddp_grad_verdict, action one of GRAD_IGNORE/WAIT/READY/SECOND/TOO_MANY;
+ *   outcome one of GRAD_END_OK/UNUSED/STATIC_UNUSED (module constants).
+ *   set_reducer(reducer_or_None, lean); act, first, failed: callables;
+ *   tensor_type, strided: torch.Tensor and torch.strided; dtypes: dict.
  *   hook(i) -> the callable for parameter i.
  *   detach(): drop every reference (the DDP is gone; hooks do nothing).
  *
  * The hooks run under the GIL (autograd calls Python hooks with it); the
  * gradient copy itself releases it for large gradients (Reducer.ready).
  */
-#include "py_common.h"
+#include "py_reducer.h"
 
 #include <stddef.h>
 #include <string.h>
@@ -40,11 +48,13 @@
 
 typedef struct {
     PyObject_HEAD
-    int expect, started, detached;
+    int lean, detached;
     Py_ssize_t n;
-    int32_t *counts;
-    PyObject *reducer;      /* lean path's _C.Reducer, or NULL */
-    PyObject *slow, *first, *failed, *tensor_type, *strided, *dtypes;
+    ddp_grad_rules *rules;
+    size_t *idx;            /* [n] scratch for index lists */
+    PyObject *reducer;      /* the _C.Reducer the rules note use in, or NULL */
+    ddp_reducer *core;      /* its core reducer (valid while reducer is held), or NULL */
+    PyObject *act, *first, *failed, *tensor_type, *strided, *dtypes;
 } HooksObject;
 
 typedef struct {
@@ -61,24 +71,33 @@ static PyObject *s_grad, *s_dtype, *s_layout, *s_is_cpu, *s_is_contiguous, *s_da
 /* ---- GradHooks --------------------------------------------------------- */
 
 static PyObject *hooks_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"nparams", NULL};
+    static char *kwlist[] = {"nparams", "static_graph", "find_unused", NULL};
     Py_ssize_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "n", kwlist, &n)) return NULL;
+    int static_graph = 0, find_unused = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n|pp", kwlist, &n, &static_graph,
+                                     &find_unused))
+        return NULL;
     if (n < 0) return ddp_py_raise(DDP_ERR_INVALID, "GradHooks: nparams < 0");
     HooksObject *self = (HooksObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->n = n;
-    self->counts = PyMem_Calloc(n ? (size_t)n : 1, sizeof *self->counts);
-    if (self->counts == NULL) {
+    self->idx = PyMem_Calloc(n ? (size_t)n : 1, sizeof *self->idx);
+    if (self->idx == NULL) {
         Py_DECREF(self);
         return PyErr_NoMemory();
+    }
+    ddp_status st = ddp_grad_rules_create((size_t)n, static_graph, find_unused, &self->rules);
+    if (st != DDP_OK) {
+        Py_DECREF(self);
+        return ddp_py_raise(st, NULL);
     }
     return (PyObject *)self;
 }
 
 static void hooks_drop(HooksObject *self) {
+    self->core = NULL;
     Py_CLEAR(self->reducer);
-    Py_CLEAR(self->slow);
+    Py_CLEAR(self->act);
     Py_CLEAR(self->first);
     Py_CLEAR(self->failed);
     Py_CLEAR(self->tensor_type);
@@ -89,7 +108,8 @@ static void hooks_drop(HooksObject *self) {
 static void hooks_dealloc(HooksObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     hooks_drop(self);
-    PyMem_Free(self->counts);
+    ddp_grad_rules_destroy(self->rules);
+    PyMem_Free(self->idx);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -104,42 +124,88 @@ static int index_of(HooksObject *self, PyObject *arg, Py_ssize_t *i) {
     return 0;
 }
 
-static PyObject *hooks_count(HooksObject *self, PyObject *arg) {
-    Py_ssize_t i;
-    if (index_of(self, arg, &i) < 0) return NULL;
-    return PyLong_FromLong(self->counts[i]);
+/* (action, first, premark, count, expected), or NULL with an exception. */
+static PyObject *verdict_tuple(const ddp_grad_verdict *v) {
+    PyObject *t = PyTuple_New(5);
+    if (t == NULL) return NULL;
+    PyObject *items[5] = {PyLong_FromLong(v->action), PyBool_FromLong(v->first),
+                          PyBool_FromLong(v->premark), PyLong_FromLong(v->count),
+                          PyLong_FromLong(v->expected)};
+    for (Py_ssize_t k = 0; k < 5; k++) {
+        if (items[k] == NULL) {
+            for (Py_ssize_t j = k + 1; j < 5; j++) Py_XDECREF(items[j]);
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, items[k]);
+    }
+    return t;
 }
 
-static PyObject *hooks_bump(HooksObject *self, PyObject *arg) {
+static PyObject *hooks_begin(HooksObject *self, PyObject *unused) {
+    if (!self->detached) ddp_grad_rules_begin(self->rules);
+    Py_RETURN_NONE;
+}
+
+static PyObject *hooks_on_grad(HooksObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t i;
-    if (index_of(self, arg, &i) < 0) return NULL;
-    return PyLong_FromLong(++self->counts[i]);
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "on_grad(i, has_grad) takes 2 arguments");
+        return NULL;
+    }
+    int has_grad = PyObject_IsTrue(args[1]);
+    if (has_grad < 0 || index_of(self, args[0], &i) < 0) return NULL;
+    ddp_grad_verdict v;
+    ddp_status st = ddp_grad_rules_on_grad(self->rules, self->core, (size_t)i, has_grad, &v);
+    if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    return verdict_tuple(&v);
+}
+
+static PyObject *hooks_end_backward(HooksObject *self, PyObject *unused) {
+    ddp_reducer *r = self->core;
+    if (r == NULL) {
+        ddp_grad_rules_stop(self->rules);
+        return ddp_py_raise(DDP_ERR_INVALID, "GradHooks.end_backward: no reducer set");
+    }
+    ddp_grad_end e;
+    ddp_grad_rules_end(self->rules, r, self->idx, &e);
+    return Py_BuildValue("(iNN)", (int)e.outcome, ddp_py_size_list(self->idx, e.n),
+                         PyBool_FromLong(e.track_used));
+}
+
+static PyObject *hooks_learn(HooksObject *self, PyObject *unused) {
+    return PyBool_FromLong(ddp_grad_rules_learn(self->rules));
+}
+
+static PyObject *hooks_never_used(HooksObject *self, PyObject *unused) {
+    return ddp_py_size_list(self->idx, ddp_grad_rules_never_used(self->rules, self->idx));
 }
 
 static PyObject *hooks_counts(HooksObject *self, PyObject *unused) {
     PyObject *out = PyList_New(self->n);
     for (Py_ssize_t i = 0; out && i < self->n; i++) {
-        PyObject *v = PyLong_FromLong(self->counts[i]);
+        PyObject *v = PyLong_FromLong(ddp_grad_rules_count(self->rules, (size_t)i));
         if (v == NULL) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, v);
     }
     return out;
 }
 
-static PyObject *hooks_reset(HooksObject *self, PyObject *unused) {
-    memset(self->counts, 0, (size_t)self->n * sizeof *self->counts);
-    self->started = 0;
-    Py_RETURN_NONE;
-}
-
-static PyObject *hooks_set_lean(HooksObject *self, PyObject *arg) {
-    Py_XSETREF(self->reducer, arg == Py_None || self->detached ? NULL : Py_NewRef(arg));
+static PyObject *hooks_set_reducer(HooksObject *self, PyObject *args) {
+    PyObject *reducer;
+    int lean;
+    if (!PyArg_ParseTuple(args, "Op", &reducer, &lean)) return NULL;
+    if (reducer != Py_None && ddp_py_reducer_core(reducer) == NULL) return NULL;
+    Py_XSETREF(self->reducer, reducer == Py_None || self->detached ? NULL : Py_NewRef(reducer));
+    self->core = self->reducer ? ddp_py_reducer_core(self->reducer) : NULL;
+    self->lean = lean && self->reducer != NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *hooks_detach(HooksObject *self, PyObject *unused) {
     self->detached = 1;
-    self->expect = 0;
+    self->lean = 0;
+    ddp_grad_rules_stop(self->rules);
     hooks_drop(self);
     Py_RETURN_NONE;
 }
@@ -147,27 +213,28 @@ static PyObject *hooks_detach(HooksObject *self, PyObject *unused) {
 static PyObject *hooks_hook(HooksObject *self, PyObject *arg);
 
 static PyMethodDef hooks_methods[] = {
-    {"count", (PyCFunction)hooks_count, METH_O, "count(i): gradients of parameter i"},
-    {"bump", (PyCFunction)hooks_bump, METH_O, "bump(i): count one more, return the count"},
-    {"counts", (PyCFunction)hooks_counts, METH_NOARGS, "every parameter's count"},
-    {"reset", (PyCFunction)hooks_reset, METH_NOARGS, "counts to 0, started to False"},
-    {"set_lean", (PyCFunction)hooks_set_lean, METH_O,
-     "set_lean(reducer or None): hooks hand gradients to this C reducer"},
+    {"begin", (PyCFunction)hooks_begin, METH_NOARGS,
+     "a synced backward is expected: counts to 0, no gradient yet"},
+    {"on_grad", (PyCFunction)(void (*)(void))hooks_on_grad, METH_FASTCALL,
+     "on_grad(i, has_grad) -> (action, first, premark, count, expected): the rules' verdict"},
+    {"end_backward", (PyCFunction)hooks_end_backward, METH_NOARGS,
+     "end_backward() -> (outcome, indices, track_used): what the end of backward does"},
+    {"learn", (PyCFunction)hooks_learn, METH_NOARGS,
+     "static graph: the first iteration's counts become the expected ones (True if now)"},
+    {"never_used", (PyCFunction)hooks_never_used, METH_NOARGS,
+     "parameters a learned static graph never gives a gradient"},
+    {"counts", (PyCFunction)hooks_counts, METH_NOARGS, "every parameter's gradient count"},
+    {"set_reducer", (PyCFunction)hooks_set_reducer, METH_VARARGS,
+     "set_reducer(reducer or None, lean): the rules note use in it; lean: hooks hand "
+     "contiguous CPU gradients to it by address"},
     {"detach", (PyCFunction)hooks_detach, METH_NOARGS, "drop every reference"},
     {"hook", (PyCFunction)hooks_hook, METH_O, "hook(i): the hook for parameter i"},
     {NULL}
 };
 
 static PyObject *get_flag(HooksObject *self, void *which) {
-    return PyBool_FromLong(which ? self->started : self->expect);
-}
-
-static int set_flag(HooksObject *self, PyObject *v, void *which) {
-    int b = v == NULL ? 0 : PyObject_IsTrue(v);
-    if (b < 0) return -1;
-    if (which) self->started = b;
-    else self->expect = b && !self->detached;
-    return 0;
+    return PyBool_FromLong(which ? ddp_grad_rules_learning(self->rules)
+                                 : ddp_grad_rules_expecting(self->rules));
 }
 
 /* Getter/setter of one callable or object slot (offset in which). */
@@ -186,9 +253,10 @@ static int set_obj(HooksObject *self, PyObject *v, void *off) {
     {#name, (getter)get_obj, (setter)set_obj, doc, (void *)offsetof(HooksObject, name)}
 
 static PyGetSetDef hooks_getset[] = {
-    {"expect", (getter)get_flag, (setter)set_flag, "a synced backward is expected", NULL},
-    {"started", (getter)get_flag, (setter)set_flag, "a gradient arrived in it", (void *)1},
-    OBJ_SLOT(slow, "slow(i, param): the Python hook"),
+    {"expect", (getter)get_flag, NULL, "a synced backward is expected", NULL},
+    {"learning", (getter)get_flag, NULL, "a static graph whose counts are not learned yet",
+     (void *)1},
+    OBJ_SLOT(act, "act(i, verdict): the Python side of a verdict (data, errors)"),
     OBJ_SLOT(first, "first(): called for the first gradient of a synced iteration"),
     OBJ_SLOT(failed, "failed(exc): the reducer raised exc"),
     OBJ_SLOT(tensor_type, "torch.Tensor"),
@@ -269,15 +337,44 @@ static PyObject *reducer_failed(HooksObject *h) {
     return NULL;
 }
 
-static PyObject *call_slow(HooksObject *h, Py_ssize_t i, PyObject *param) {
-    if (h->slow == NULL) Py_RETURN_NONE;
-    PyObject *fn = Py_NewRef(h->slow), *idx = PyLong_FromSsize_t(i);
-    PyObject *r = idx ? PyObject_CallFunctionObjArgs(fn, idx, param, NULL) : NULL;
+/* Call fn() or fn(i, verdict) (verdict NULL: no arguments). 0, or -1 with
+ * fn's exception. */
+static int call_back(PyObject *fn, Py_ssize_t i, const ddp_grad_verdict *v) {
+    if (fn == NULL) return 0;
+    fn = Py_NewRef(fn);     /* the call may replace the slot */
+    PyObject *r = NULL;
+    if (v == NULL) {
+        r = PyObject_CallNoArgs(fn);
+    } else {
+        PyObject *idx = PyLong_FromSsize_t(i), *vt = verdict_tuple(v);
+        if (idx != NULL && vt != NULL) r = PyObject_CallFunctionObjArgs(fn, idx, vt, NULL);
+        Py_XDECREF(idx);
+        Py_XDECREF(vt);
+    }
     Py_DECREF(fn);
-    Py_XDECREF(idx);
-    if (r == NULL) return NULL;
+    if (r == NULL) return -1;
     Py_DECREF(r);
-    Py_RETURN_NONE;     /* a post-accumulate-grad hook returns None */
+    return 0;
+}
+
+/* The C data path for grad, parameter i's ready gradient: 1 handed to the
+ * reducer by address, 0 not a lean tensor (nothing done), -1 with DDP's error
+ * (the reducer raised: failed(exc)) or another exception. */
+static int lean_ready(HooksObject *h, Py_ssize_t i, PyObject *grad) {
+    void *ptr = NULL;
+    size_t count = 0;
+    int code = 0;
+    int lean = lean_tensor(h, grad, &ptr, &count, &code);
+    if (lean <= 0) return lean;
+    PyObject *reducer = Py_NewRef(h->reducer);
+    PyObject *r = ddp_py_reducer_ready(reducer, (size_t)i, grad, ptr, count, code, 1);
+    Py_DECREF(reducer);
+    if (r == NULL) {
+        reducer_failed(h);
+        return -1;
+    }
+    Py_DECREF(r);
+    return 1;
 }
 
 /* hook(param): see the header. Returns None, or NULL with an exception. */
@@ -289,36 +386,22 @@ static PyObject *hook_call(HookObject *self, PyObject *const *args, size_t nargs
     }
     HooksObject *h = self->hooks;
     Py_ssize_t i = self->i;
-    if (h->reducer == NULL) return call_slow(h, i, args[0]);   /* it has its own rules */
-    if (!h->expect) Py_RETURN_NONE;
-    if (h->counts[i] != 0) return call_slow(h, i, args[0]);
+    /* Nothing to do: DDP is gone, or neither a synced backward nor use tracking. */
+    if (h->core == NULL || !ddp_grad_rules_listening(h->rules)) Py_RETURN_NONE;
     PyObject *grad = PyObject_GetAttr(args[0], s_grad);
     if (grad == NULL) return NULL;
-    void *ptr = NULL;
-    size_t count = 0;
-    int code = 0;
-    int lean = lean_tensor(h, grad, &ptr, &count, &code);
-    if (lean <= 0) {
-        Py_DECREF(grad);
-        return lean < 0 ? NULL : call_slow(h, i, args[0]);
-    }
-    h->counts[i] = 1;
-    int first = !h->started;
-    h->started = 1;
-    PyObject *reducer = Py_NewRef(h->reducer);
-    PyObject *r = ddp_py_reducer_ready(reducer, (size_t)i, grad, ptr, count, code, 1);
-    Py_DECREF(reducer);
+    ddp_grad_verdict v;
+    ddp_status st = ddp_grad_rules_on_grad(h->rules, h->core, (size_t)i, grad != Py_None, &v);
+    int done = 0;
+    if (st == DDP_OK && v.action == DDP_GRAD_READY && !v.premark && h->lean)
+        done = lean_ready(h, i, grad);
     Py_DECREF(grad);
-    if (r == NULL) return reducer_failed(h);
-    Py_DECREF(r);
-    if (first && h->first != NULL) {
-        PyObject *fn = Py_NewRef(h->first);
-        r = PyObject_CallNoArgs(fn);
-        Py_DECREF(fn);
-        if (r == NULL) return NULL;
-        Py_DECREF(r);
-    }
-    Py_RETURN_NONE;
+    if (st != DDP_OK) return ddp_py_raise(st, NULL);
+    if (done < 0) return NULL;
+    int work = v.premark || (v.action != DDP_GRAD_IGNORE && v.action != DDP_GRAD_WAIT);
+    if (!done && work && call_back(h->act, i, &v) < 0) return NULL;
+    if (v.first && call_back(h->first, i, NULL) < 0) return NULL;
+    Py_RETURN_NONE;     /* a post-accumulate-grad hook returns None */
 }
 
 static PyObject *hooks_hook(HooksObject *self, PyObject *arg) {
@@ -372,5 +455,13 @@ int ddp_py_grad_hooks_register(PyObject *m) {
     if (HooksType == NULL) return -1;
     HookType = (PyTypeObject *)PyType_FromSpec(&hook_spec);
     if (HookType == NULL) return -1;
+    static const struct { const char *name; int value; } consts[] = {
+        {"GRAD_IGNORE", DDP_GRAD_IGNORE}, {"GRAD_WAIT", DDP_GRAD_WAIT},
+        {"GRAD_READY", DDP_GRAD_READY}, {"GRAD_SECOND", DDP_GRAD_SECOND},
+        {"GRAD_TOO_MANY", DDP_GRAD_TOO_MANY}, {"GRAD_END_OK", DDP_GRAD_END_OK},
+        {"GRAD_END_UNUSED", DDP_GRAD_END_UNUSED},
+        {"GRAD_END_STATIC_UNUSED", DDP_GRAD_END_STATIC_UNUSED}};
+    for (size_t k = 0; k < sizeof consts / sizeof *consts; k++)
+        if (PyModule_AddIntConstant(m, consts[k].name, consts[k].value) < 0) return -1;
     return PyModule_AddObjectRef(m, "GradHooks", (PyObject *)HooksType);
 }

@@ -1,23 +1,40 @@
 /* py_pg_info.c - what a pyddp._C.ProcessGroup can tell about itself without
  * communicating: its peers and the transport to each, the flight record and
- * progress counters of its communicator (csrc/core/ddp_flight.h), and where
- * a timeout is announced (the stall store, used by pyddp/_forensics.py).
+ * progress counters of its communicator (csrc/core/ddp_flight.h), the work
+ * still pending on it (pyddp/_exit.py), and where a timeout is announced
+ * (the stall store, used by pyddp/_forensics.py).
+ * All of it is the CPU transport's info table (ddp_pg_info, ddp_pg.h).
  */
 #include "py_common.h"
 
 #include <string.h>
-#include "ddp_comm.h"
 #include "ddp_store.h"
 #include "py_array.h"
 #include "py_pg.h"
 #include "ddp_flight.h"
 
+/* The CPU transport's info table, or NULL with an exception (destroyed). */
+static const ddp_pg_info *info(PGObject *self) {
+    const ddp_pg_info *in = ddp_pg_info_of(self->cpu);
+    if (in == NULL) ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    return in;
+}
+
+/* Parse a group rank argument; 0, or -1 with an exception. */
+static int rank_arg(PGObject *self, PyObject *args, int *r) {
+    if (!PyArg_ParseTuple(args, "i", r)) return -1;
+    if (self->cpu.ops == NULL || *r < 0 || *r >= self->cpu.ops->size(self->cpu.impl)) {
+        ddp_py_raise(DDP_ERR_INVALID, "no such rank");
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *ddp_py_pg_peer(PGObject *self, PyObject *args) {
     int r;
-    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
-    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
-        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
-    return Py_BuildValue("(ss)", ddp_comm_peer_desc(self->comm, r), ddp_comm_host_id(self->comm, r));
+    const ddp_pg_info *in;
+    if (rank_arg(self, args, &r) < 0 || (in = info(self)) == NULL) return NULL;
+    return Py_BuildValue("(ss)", in->peer_desc(self->cpu.impl, r), in->host_id(self->cpu.impl, r));
 }
 
 /* A flight-record entry as a dict; times as seconds before now (None: not yet). */
@@ -44,9 +61,10 @@ static PyObject *entry_dict(const ddp_flight_entry *e, int64_t now_us) {
 }
 
 PyObject *ddp_py_pg_flight_record(PGObject *self, PyObject *unused) {
-    if (self->comm == NULL) return PyList_New(0);
+    const ddp_pg_info *in = ddp_pg_info_of(self->cpu);
+    if (in == NULL) return PyList_New(0);
     ddp_flight_entry fr[DDP_FLIGHT_LEN];
-    size_t n = ddp_comm_flight(self->comm, fr, DDP_FLIGHT_LEN);
+    size_t n = in->flight(self->cpu.impl, fr, DDP_FLIGHT_LEN);
     int64_t now = ddp_now_us();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
@@ -60,34 +78,40 @@ PyObject *ddp_py_pg_flight_record(PGObject *self, PyObject *unused) {
     return out;
 }
 
+PyObject *ddp_py_pg_pending(PGObject *self, PyObject *unused) {
+    const ddp_pg_info *in = ddp_pg_info_of(self->cpu);   /* destroyed: nothing pending */
+    return PyLong_FromLong(in && in->pending ? in->pending(self->cpu.impl) : 0);
+}
+
 PyObject *ddp_py_pg_progress(PGObject *self, PyObject *unused) {
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    const ddp_pg_info *in = info(self);
+    if (in == NULL) return NULL;
     uint64_t sub, done;
     ddp_flight_entry last;
-    ddp_comm_progress(self->comm, &sub, &done, &last);
+    in->progress(self->cpu.impl, &sub, &done, &last);
     PyObject *ld = last.id ? entry_dict(&last, ddp_now_us()) : Py_NewRef(Py_None);
     if (ld == NULL) return NULL;
     return Py_BuildValue("{s:K,s:K,s:N,s:K}", "submitted", (unsigned long long)sub,
                          "completed", (unsigned long long)done, "last_done", ld,
-                         "tag", (unsigned long long)ddp_comm_tag(self->comm));
+                         "tag", (unsigned long long)in->tag(self->cpu.impl));
 }
 
 PyObject *ddp_py_pg_set_stall_store(PGObject *self, PyObject *args) {
     PyObject *store_obj;
     const char *prefix;
     if (!PyArg_ParseTuple(args, "Os", &store_obj, &prefix)) return NULL;
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    const ddp_pg_info *in = info(self);
+    if (in == NULL) return NULL;
     ddp_store *s = ddp_py_store_client_ref(store_obj);
     if (s == NULL) return NULL;
-    ddp_comm_set_stall_store(self->comm, s, prefix);
+    in->set_stall_store(self->cpu.impl, s, prefix);
     ddp_store_release(s);
     Py_RETURN_NONE;
 }
 
 PyObject *ddp_py_pg_transport(PGObject *self, PyObject *args) {
     int r;
-    if (!PyArg_ParseTuple(args, "i", &r)) return NULL;
-    if (self->comm == NULL || r < 0 || r >= ddp_comm_size(self->comm))
-        return ddp_py_raise(DDP_ERR_INVALID, "no such rank");
-    return PyUnicode_FromString(ddp_comm_transport(self->comm, r));
+    const ddp_pg_info *in;
+    if (rank_arg(self, args, &r) < 0 || (in = info(self)) == NULL) return NULL;
+    return PyUnicode_FromString(in->transport(self->cpu.impl, r));
 }

@@ -1,15 +1,13 @@
 /* py_pg_vec.c - the calls of pyddp._C.ProcessGroup whose arguments are one
  * per peer: alltoall (counts and offsets per group rank) and p2p_batch (a
  * list of sends and receives). They build their core arguments here and
- * queue through py_pg.c's ddp_py_pg_submit_prepared, so routing (host or
- * GPU), Ctrl-C during an NCCL launch and the Work they return are the same
- * as for every other call.
+ * go through the one submit path (py_pg_submit.c's ddp_py_pg_call), so
+ * routing (host or GPU), Ctrl-C during an NCCL launch and the Work they
+ * return are the same as for every other call.
  */
 #include "py_common.h"
 
 #include <string.h>
-#include "ddp_comm.h"
-#include "ddp_store.h"
 #include "py_array.h"
 #include "py_pg.h"
 
@@ -46,8 +44,8 @@ PyObject *ddp_py_pg_alltoall(PGObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOO|LO", &ao, &bo, &sc, &sd, &rc, &rd, &timeout_ms, &so) ||
         ddp_py_stream_arg(so, &has_stream, &stream) < 0)
         return NULL;
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
-    int size = ddp_comm_size(self->comm);
+    if (self->cpu.ops == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    int size = self->cpu.ops->size(self->cpu.impl);
     ddp_py_array *arrs = PyMem_Calloc(2, sizeof *arrs);
     size_t *mem = PyMem_Calloc(4 * (size_t)size, sizeof *mem);
     if (arrs == NULL || mem == NULL) {
@@ -75,26 +73,23 @@ PyObject *ddp_py_pg_alltoall(PGObject *self, PyObject *args) {
             ok = 0;
         }
     }
-    ok = ok && ddp_py_pg_route(self, arrs[0].device == DDP_DEV_CUDA || arrs[1].device == DDP_DEV_CUDA,
-                     &pg) == 0;
+    int on_gpu = (arrs[0].device == DDP_DEV_CUDA || arrs[1].device == DDP_DEV_CUDA);
+    ok = ok && ddp_py_pg_route(self, on_gpu, &pg) == 0;
+    ddp_py_call c = {.arrs = arrs, .narrs = 2, .mem = mem, .has_stream = has_stream,
+                     .stream = stream, .timeout_ms = timeout_ms, .on_gpu = on_gpu};
     if (!ok) {
-        ddp_py_array_release(&arrs[0]);
-        ddp_py_array_release(&arrs[1]);
-        PyMem_Free(arrs);
-        PyMem_Free(mem);
+        ddp_py_call_release(&c);
         return NULL;
     }
-    ddp_coll_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.kind = DDP_COLL_ALLTOALL;
-    ca.dtype = arrs[0].dtype;
-    ca.sendbuf = arrs[0].ptr;
-    ca.recvbuf = arrs[1].ptr;
-    ca.scounts = mem;
-    ca.sdispls = mem + size;
-    ca.rcounts = mem + 2 * size;
-    ca.rdispls = mem + 3 * size;
-    return ddp_py_pg_submit_prepared(self, pg, &ca, timeout_ms, has_stream, stream, arrs, 2, mem);
+    c.ca.kind = DDP_COLL_ALLTOALL;
+    c.ca.dtype = arrs[0].dtype;
+    c.ca.sendbuf = arrs[0].ptr;
+    c.ca.recvbuf = arrs[1].ptr;
+    c.ca.scounts = mem;
+    c.ca.sdispls = mem + size;
+    c.ca.rcounts = mem + 2 * size;
+    c.ca.rdispls = mem + 3 * size;
+    return ddp_py_pg_call(pg, &c, 0);
 }
 
 PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
@@ -105,7 +100,7 @@ PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O|LO", &list, &timeout_ms, &so) ||
         ddp_py_stream_arg(so, &has_stream, &stream) < 0)
         return NULL;
-    if (self->comm == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+    if (self->cpu.ops == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     PyObject *fast = PySequence_Fast(list, "ops must be a sequence of (is_send, array, peer)");
     if (fast == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -113,7 +108,6 @@ PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
     ddp_p2p_op *ops = PyMem_Calloc(n ? (size_t)n : 1, sizeof *ops);
     int ok = arrs != NULL && ops != NULL, on_gpu = 0;
     if (!ok) PyErr_NoMemory();
-    Py_ssize_t got = 0;
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         int is_send, peer;
         PyObject *arr;
@@ -126,7 +120,6 @@ PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
             ok = 0;
             break;
         }
-        got = i + 1;
         on_gpu |= arrs[i].device == DDP_DEV_CUDA;
         ops[i].peer = peer;
         ops[i].is_send = is_send;
@@ -137,16 +130,15 @@ PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
     Py_DECREF(fast);
     ddp_pg pg = {NULL, NULL};
     ok = ok && ddp_py_pg_route(self, on_gpu, &pg) == 0;
+    /* entries not imported are zeroed (calloc): releasing them is a no-op */
+    ddp_py_call c = {.arrs = arrs, .narrs = (int)n, .mem = ops, .has_stream = has_stream,
+                     .stream = stream, .timeout_ms = timeout_ms, .on_gpu = on_gpu};
     if (!ok) {
-        for (Py_ssize_t i = 0; i < got; i++) ddp_py_array_release(&arrs[i]);
-        PyMem_Free(arrs);
-        PyMem_Free(ops);
+        ddp_py_call_release(&c);
         return NULL;
     }
-    ddp_coll_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.kind = DDP_COLL_P2P_BATCH;
-    ca.nops = (int)n;
-    ca.ops = ops;
-    return ddp_py_pg_submit_prepared(self, pg, &ca, timeout_ms, has_stream, stream, arrs, (int)n, ops);
+    c.ca.kind = DDP_COLL_P2P_BATCH;
+    c.ca.nops = (int)n;
+    c.ca.ops = ops;
+    return ddp_py_pg_call(pg, &c, 0);
 }

@@ -1,5 +1,7 @@
 /* py_reducer.c - pyddp._C.Reducer: the Python face of the gradient reducer
- * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it.
+ * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it. How it holds
+ * and uses its process group (attach, abort, the drain waits) is in
+ * py_reducer_pg.c.
  *
  * Reducer(params, first_cap_bytes, cap_bytes, order=None, reduce_dtype=None)
  *     params: sequence of (numel, dtype name, device key); plans the buckets.
@@ -7,7 +9,10 @@
  *     reduced in that dtype: ddp_plan_buckets_as).
  *   layout() -> (buckets, param_bucket, param_offset), buckets being
  *     [(members, numel, dtype name, device key)], for allocating them (the
- *     dtype is the bucket's own, the reduce dtype for narrowed buckets).
+ *     dtype is the bucket's own, the reduce dtype for narrowed buckets);
+ *     bucket_rules(world_size) -> [(narrow, divisor, op)], how each bucket is
+ *     filled and all-reduced (ddp_plan_bucket_rule; the plan's face is
+ *     py_reducer_plan.c).
  *   Bookkeeping (both paths): begin(), mark_ready(i) -> (first, count),
  *     note_used(i), unready(), arrival(), local_used(), end().
  *   CPU data path: attach(pg, buckets) with a _C.ProcessGroup (or None for
@@ -26,57 +31,12 @@
 #include "py_common.h"
 
 #include <string.h>
-#include "ddp_comm.h"
-#include "ddp_reducer.h"
-#include "py_array.h"
+#include "py_reducer.h"
 
 /* Copies at least this large run with the GIL released. */
 #define RELEASE_GIL_BYTES (64 * 1024)
 
-typedef struct {
-    PyObject_HEAD
-    ddp_reducer *r;
-    PyObject *pg;           /* the _C.ProcessGroup; NULL when unattached */
-    ddp_comm *comm;         /* a reference of our own: valid even after pg is destroyed */
-    ddp_py_array *buckets;  /* [nbuckets] imported bucket arrays */
-    ddp_py_array *grads;    /* [nparams] gradients held for this iteration */
-} ReducerObject;
-
 static PyTypeObject *ReducerType;
-
-static int dtype_from_name(PyObject *name, ddp_dtype *out) {
-    const char *s = PyUnicode_AsUTF8(name);
-    if (s == NULL) return -1;
-    for (int t = 0; t < DDP_DTYPE_COUNT; t++)
-        if (strcmp(s, ddp_dtype_name((ddp_dtype)t)) == 0) {
-            *out = (ddp_dtype)t;
-            return 0;
-        }
-    PyErr_Format(PyExc_TypeError, "DDP: unsupported parameter dtype %R", name);
-    return -1;
-}
-
-/* Read a sequence of Python ints into a new size_t array (PyMem). */
-static size_t *size_array(PyObject *seq, size_t n, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL) return NULL;
-    if ((size_t)PySequence_Fast_GET_SIZE(fast) != n) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zu", what,
-                     PySequence_Fast_GET_SIZE(fast), n);
-        Py_DECREF(fast);
-        return NULL;
-    }
-    size_t *out = PyMem_Calloc(n ? n : 1, sizeof *out);
-    for (size_t i = 0; out && i < n; i++) {
-        out[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)i));
-        if (out[i] == (size_t)-1 && PyErr_Occurred()) {
-            PyMem_Free(out);
-            out = NULL;
-        }
-    }
-    Py_DECREF(fast);
-    return out;
-}
 
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"params", "first_cap_bytes", "cap_bytes", "order", "reduce_dtype",
@@ -86,45 +46,20 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Onn|OO", kwlist, &params, &first_cap, &cap,
                                      &order_obj, &reduce_obj))
         return NULL;
-    ddp_dtype reduce = DDP_REDUCE_NATIVE;
-    if (reduce_obj != Py_None && dtype_from_name(reduce_obj, &reduce) < 0) return NULL;
-    if (first_cap <= 0 || cap <= 0)
-        return ddp_py_raise(DDP_ERR_INVALID, "bucket caps must be positive: check that "
-                            "bucket_cap_mb > 0");
-    PyObject *fast = PySequence_Fast(params, "params must be a sequence");
-    if (fast == NULL) return NULL;
-    size_t n = (size_t)PySequence_Fast_GET_SIZE(fast);
-    ddp_plan_param *ps = PyMem_Calloc(n ? n : 1, sizeof *ps);
-    size_t *order = NULL;
-    ReducerObject *self = NULL;
-    if (ps == NULL) { PyErr_NoMemory(); goto done; }
-    for (size_t i = 0; i < n; i++) {
-        PyObject *name;
-        Py_ssize_t numel;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)i), "nOi;params "
-                              "entries are (numel, dtype name, device key)", &numel, &name,
-                              &ps[i].device) ||
-            dtype_from_name(name, &ps[i].dtype) < 0)
-            goto done;
-        ps[i].numel = (size_t)numel;
-    }
-    if (order_obj != Py_None && (order = size_array(order_obj, n, "order")) == NULL) goto done;
     ddp_plan plan;
-    ddp_status st = ddp_plan_buckets_as(ps, n, order, (size_t)first_cap, (size_t)cap, reduce,
-                                        &plan);
-    if (st != DDP_OK) { ddp_py_raise(st, NULL); goto done; }
-    self = (ReducerObject *)type->tp_alloc(type, 0);
-    if (self == NULL) { ddp_plan_free(&plan); goto done; }
-    st = ddp_reducer_create(&plan, &self->r);
+    if (ddp_py_plan_parse(params, first_cap, cap, order_obj, reduce_obj, &plan) < 0) return NULL;
+    size_t n = plan.nparams;
+    ReducerObject *self = (ReducerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        ddp_plan_free(&plan);
+        return NULL;
+    }
+    ddp_status st = ddp_reducer_create(&plan, &self->r);
     self->grads = PyMem_Calloc(n ? n : 1, sizeof *self->grads);
     if (st != DDP_OK || self->grads == NULL) {
         if (st != DDP_OK) ddp_py_raise(st, NULL); else PyErr_NoMemory();
         Py_CLEAR(self);
     }
-done:
-    PyMem_Free(ps);
-    PyMem_Free(order);
-    Py_DECREF(fast);
     return (PyObject *)self;
 }
 
@@ -134,74 +69,17 @@ static void release_grads(ReducerObject *self) {
     for (size_t i = 0; i < n; i++) ddp_py_array_release(&self->grads[i]);
 }
 
-static int drain_slice(void *p, ddp_wait slice) {
-    return ddp_reducer_drain(((ReducerObject *)p)->r, slice) == DDP_OK;
-}
-
-static void abort_on_signal(void *p) {
-    ReducerObject *self = p;
-    if (self->comm) ddp_comm_abort(self->comm, "interrupted (Ctrl-C) during the DDP gradient "
-                                   "all-reduce");
-}
-
-/* Wait until every launched all-reduce finished, through the one wait loop
- * (GIL released, Ctrl-C aborts the group so the wait ends within moments).
- * 0, or -1 with the signal handler's exception set. */
-static int drain_blocking(ReducerObject *self) {
-    if (self->r == NULL || ddp_reducer_pending(self->r) == 0) {
-        if (self->r) ddp_reducer_drain(self->r, ddp_wait_for(0, NULL));
-        return 0;
-    }
-    return ddp_py_wait(drain_slice, self, -1, abort_on_signal) < 0 ? -1 : 0;
-}
-
-/* drain_blocking where no exception may be raised (dealloc, error paths):
- * an interrupt is re-delivered to the main thread, other errors reported. */
-static void drain_quietly(ReducerObject *self) {
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    if (drain_blocking(self) < 0) {
-        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            PyErr_Clear();
-            PyErr_SetInterrupt();
-        } else {
-            PyErr_WriteUnraisable((PyObject *)self);
-        }
-    }
-    PyErr_Restore(et, ev, tb);
-}
-
-static void release_buckets(ReducerObject *self) {
-    if (self->buckets == NULL) return;
-    size_t nb = ddp_reducer_plan(self->r)->nbuckets;
-    for (size_t b = 0; b < nb; b++) ddp_py_array_release(&self->buckets[b]);
-    PyMem_Free(self->buckets);
-    self->buckets = NULL;
-}
-
 static void reducer_dealloc(ReducerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->r) {
-        drain_quietly(self);   /* the worker may still use the buckets */
+        ddp_py_reducer_drain_quietly(self);   /* the worker may still use the buckets */
         release_grads(self);
-        release_buckets(self);
-        ddp_reducer_destroy(self->r);
     }
+    ddp_py_reducer_detach(self);
+    ddp_reducer_destroy(self->r);
     PyMem_Free(self->grads);
-    ddp_comm_release(self->comm);
-    Py_XDECREF(self->pg);
     tp->tp_free(self);
     Py_DECREF(tp);
-}
-
-static PyObject *size_list(const size_t *v, size_t n) {
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; l && i < n; i++) {
-        PyObject *x = PyLong_FromSize_t(v[i]);
-        if (x == NULL) { Py_CLEAR(l); break; }
-        PyList_SET_ITEM(l, (Py_ssize_t)i, x);
-    }
-    return l;
 }
 
 /* Use flags and counts (never negative) as a list of ints. */
@@ -209,26 +87,19 @@ static PyObject *int32_list(const int32_t *v, size_t n) {
     size_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
     if (tmp == NULL) return PyErr_NoMemory();
     for (size_t i = 0; i < n; i++) tmp[i] = (size_t)(v[i] > 0 ? v[i] : 0);
-    PyObject *l = size_list(tmp, n);
+    PyObject *l = ddp_py_size_list(tmp, n);
     PyMem_Free(tmp);
     return l;
 }
 
 static PyObject *reducer_layout(ReducerObject *self, PyObject *unused) {
-    const ddp_plan *p = ddp_reducer_plan(self->r);
-    PyObject *buckets = PyList_New((Py_ssize_t)p->nbuckets);
-    for (size_t b = 0; buckets && b < p->nbuckets; b++) {
-        PyObject *members = size_list(p->members + p->bucket_begin[b],
-                                      p->bucket_begin[b + 1] - p->bucket_begin[b]);
-        PyObject *t = members ? Py_BuildValue("(Nnsi)", members, (Py_ssize_t)p->bucket_numel[b],
-                                              ddp_dtype_name(p->bucket_dtype[b]),
-                                              p->bucket_device[b]) : NULL;
-        if (t == NULL) { Py_CLEAR(buckets); break; }
-        PyList_SET_ITEM(buckets, (Py_ssize_t)b, t);
-    }
-    if (buckets == NULL) return NULL;
-    return Py_BuildValue("(NNN)", buckets, size_list(p->param_bucket, p->nparams),
-                         size_list(p->param_offset, p->nparams));
+    return ddp_py_plan_layout(ddp_reducer_plan(self->r));
+}
+
+static PyObject *reducer_bucket_rules(ReducerObject *self, PyObject *args) {
+    int world;
+    if (!PyArg_ParseTuple(args, "i", &world)) return NULL;
+    return ddp_py_plan_bucket_rules(ddp_reducer_plan(self->r), world);
 }
 
 static PyObject *check_status(ddp_status st) {
@@ -280,7 +151,7 @@ static PyObject *index_list(ReducerObject *self,
     size_t *idx = PyMem_Malloc((n ? n : 1) * sizeof *idx);
     if (idx == NULL) return PyErr_NoMemory();
     size_t k = fill(self->r, idx, n);
-    PyObject *l = size_list(idx, k);
+    PyObject *l = ddp_py_size_list(idx, k);
     PyMem_Free(idx);
     return l;
 }
@@ -302,77 +173,6 @@ static PyObject *reducer_global_used(ReducerObject *self, PyObject *unused) {
 }
 
 /* ---- CPU data path ---------------------------------------------------- */
-
-static PyObject *reducer_attach(ReducerObject *self, PyObject *args) {
-    PyObject *pg, *arrays;
-    if (!PyArg_ParseTuple(args, "OO", &pg, &arrays)) return NULL;
-    if (ddp_reducer_in_iteration(self->r) || self->buckets != NULL)
-        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: already attached");
-    ddp_comm *comm = NULL;
-    int world = 1;
-    if (pg != Py_None) {
-        if ((comm = ddp_py_pg_comm_ref(pg)) == NULL) return NULL;
-        world = ddp_comm_size(comm);
-    }
-    const ddp_plan *p = ddp_reducer_plan(self->r);
-    PyObject *fast = PySequence_Fast(arrays, "buckets must be a sequence of arrays");
-    if (fast == NULL) {
-        ddp_comm_release(comm);
-        return NULL;
-    }
-    if ((size_t)PySequence_Fast_GET_SIZE(fast) != p->nbuckets) {
-        Py_DECREF(fast);
-        ddp_comm_release(comm);
-        return ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: wrong number of bucket arrays");
-    }
-    ddp_py_array *bk = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *bk);
-    void **ptrs = PyMem_Calloc(p->nbuckets ? p->nbuckets : 1, sizeof *ptrs);
-    int ok = bk != NULL && ptrs != NULL;
-    if (!ok) PyErr_NoMemory();
-    for (size_t b = 0; ok && b < p->nbuckets; b++) {
-        ok = ddp_py_array_import(PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)b), 1, "bucket",
-                                 &bk[b]) == 0;
-        if (ok && (bk[b].device != DDP_DEV_CPU || bk[b].dtype != p->bucket_dtype[b] ||
-                   bk[b].count != p->bucket_numel[b])) {
-            ddp_py_raise(DDP_ERR_INVALID, "Reducer.attach: a bucket array does not match the "
-                         "plan (CPU memory, dtype and element count)");
-            ok = 0;
-        }
-        if (ok) ptrs[b] = bk[b].ptr;
-    }
-    Py_DECREF(fast);
-    ddp_status st = ok ? ddp_reducer_attach(self->r, ptrs, &ddp_reducer_comm_ops, comm, world)
-                       : DDP_OK;
-    PyMem_Free(ptrs);
-    if (!ok || st != DDP_OK) {
-        for (size_t b = 0; bk && b < p->nbuckets; b++) ddp_py_array_release(&bk[b]);
-        PyMem_Free(bk);
-        ddp_comm_release(comm);
-        return ok ? ddp_py_raise(st, NULL) : NULL;
-    }
-    self->buckets = bk;
-    self->comm = comm;
-    Py_XINCREF(pg == Py_None ? NULL : pg);
-    self->pg = pg == Py_None ? NULL : pg;
-    Py_RETURN_NONE;
-}
-
-/* The process group must not have been destroyed (destroy_process_group() ends
- * it even while this Reducer, which keeps the memory alive by its reference,
- * still uses it). 0, or -1 with an exception. */
-static int check_comm(ReducerObject *self) {
-    if (self->pg == NULL) return 0;
-    PyObject *d = PyObject_GetAttrString(self->pg, "destroyed");
-    if (d == NULL) return -1;
-    int destroyed = PyObject_IsTrue(d);
-    Py_DECREF(d);
-    if (destroyed) {
-        ddp_py_raise(DDP_ERR_INVALID, "DDP: the process group this model was wrapped with "
-                     "was destroyed; wrap the model again after init_process_group()");
-        return -1;
-    }
-    return 0;
-}
 
 /* Hand gradient g (owned by the call: released or kept) of parameter i to
  * the C reducer; see ddp_py_reducer_ready in py_common.h. */
@@ -404,7 +204,13 @@ static int ready_checks(ReducerObject *self) {
         ddp_py_raise(DDP_ERR_INVALID, "Reducer.ready: no buckets attached");
         return -1;
     }
-    return check_comm(self);
+    return ddp_py_reducer_check_pg(self);
+}
+
+ddp_reducer *ddp_py_reducer_core(PyObject *obj) {
+    if (PyObject_TypeCheck(obj, ReducerType)) return ((ReducerObject *)obj)->r;
+    ddp_py_raise(DDP_ERR_TYPE, "not a pyddp._C.Reducer");
+    return NULL;
 }
 
 PyObject *ddp_py_reducer_ready(PyObject *reducer, size_t i, PyObject *owner, void *ptr,
@@ -464,9 +270,9 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "p", &track_used)) return NULL;
     if (self->buckets == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "Reducer.finish: no buckets attached");
-    if (check_comm(self) < 0) {
+    if (ddp_py_reducer_check_pg(self) < 0) {
         /* Its work failed when the communicator went away: let go of it. */
-        drain_quietly(self);
+        ddp_py_reducer_drain_quietly(self);
         release_grads(self);
         return NULL;
     }
@@ -481,10 +287,10 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
         if (PyErr_CheckSignals() < 0) {
             /* Ctrl-C: break the group so our all-reduces (and the peers'
              * waits on us) end now, then let go of everything. */
-            abort_on_signal(self);
+            ddp_py_reducer_abort_on_signal(self);
             PyObject *et, *ev, *tb;
             PyErr_Fetch(&et, &ev, &tb);
-            drain_quietly(self);
+            ddp_py_reducer_drain_quietly(self);
             release_grads(self);
             PyErr_Restore(et, ev, tb);
             return NULL;
@@ -495,16 +301,9 @@ static PyObject *reducer_finish(ReducerObject *self, PyObject *args) {
 }
 
 static PyObject *reducer_drain(ReducerObject *self, PyObject *unused) {
-    int rc = drain_blocking(self);
+    int rc = ddp_py_reducer_drain_blocking(self);
     release_grads(self);
     if (rc < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *reducer_abort(ReducerObject *self, PyObject *args) {
-    const char *reason = "DDP failed on this rank";
-    if (!PyArg_ParseTuple(args, "|s", &reason)) return NULL;
-    if (self->comm) ddp_comm_abort(self->comm, reason);
     Py_RETURN_NONE;
 }
 
@@ -523,6 +322,8 @@ static PyObject *reducer_get_nbuckets(ReducerObject *self, void *c) {
 static PyMethodDef reducer_methods[] = {
     {"layout", (PyCFunction)reducer_layout, METH_NOARGS,
      "layout() -> ([(members, numel, dtype, device)], param_bucket, param_offset)"},
+    {"bucket_rules", (PyCFunction)reducer_bucket_rules, METH_VARARGS,
+     "bucket_rules(world_size) -> [(narrow, divisor, op)]: how each bucket is reduced"},
     {"begin", (PyCFunction)reducer_begin, METH_NOARGS, "start a synced iteration"},
     {"end", (PyCFunction)reducer_end, METH_NOARGS, "end the iteration (bookkeeping only)"},
     {"mark_ready", (PyCFunction)reducer_mark_ready, METH_O,
@@ -532,13 +333,13 @@ static PyMethodDef reducer_methods[] = {
     {"arrival", (PyCFunction)reducer_arrival, METH_NOARGS, "ready order of this iteration"},
     {"local_used", (PyCFunction)reducer_local_used, METH_NOARGS, "local use flags"},
     {"global_used", (PyCFunction)reducer_global_used, METH_NOARGS, "reduced use counts"},
-    {"attach", (PyCFunction)reducer_attach, METH_VARARGS, "attach(pg_or_None, buckets)"},
+    {"attach", (PyCFunction)ddp_py_reducer_attach, METH_VARARGS, "attach(pg_or_None, buckets)"},
     {"ready", (PyCFunction)reducer_ready, METH_VARARGS,
      "ready(i, grad_or_None, copy_back[, ptr, count, dtype]): copy into the bucket, launch "
      "full buckets (ptr, count, dtype: grad's memory, not imported)"},
     {"finish", (PyCFunction)reducer_finish, METH_VARARGS,
      "finish(track_used): wait for every bucket, copy averages back"},
-    {"abort", (PyCFunction)reducer_abort, METH_VARARGS,
+    {"abort", (PyCFunction)ddp_py_reducer_abort, METH_VARARGS,
      "abort(reason): break the attached process group (peers fail fast)"},
     {"drain", (PyCFunction)reducer_drain, METH_NOARGS,
      "wait for in-flight all-reduces and end the iteration without copying back"},

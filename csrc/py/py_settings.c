@@ -30,12 +30,13 @@ static PyObject *py_settings(PyObject *m, PyObject *unused) {
     PyObject *out = PyList_New((Py_ssize_t)n);
     if (out == NULL) return NULL;
     for (size_t i = 0; i < n; i++) {
-        PyObject *d = Py_BuildValue("{s:s,s:s,s:z,s:L,s:L,s:O,s:O,s:s}", "name", t[i].name,
+        PyObject *d = Py_BuildValue("{s:s,s:s,s:z,s:L,s:L,s:O,s:O,s:s,s:s}", "name", t[i].name,
                                     "kind", kind_name(t[i].kind), "default", t[i].dflt_text,
                                     "min", (long long)t[i].min, "max", (long long)t[i].max,
                                     "core", (t[i].flags & DDP_SETTING_CORE) ? Py_True : Py_False,
                                     "debug", (t[i].flags & DDP_SETTING_DEBUG) ? Py_True : Py_False,
-                                    "doc", t[i].doc);
+                                    "doc", t[i].doc, "scope",
+                                    t[i].scope ? t[i].scope : "every backend");
         if (d == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -76,7 +77,7 @@ static PyObject *py_setting_text(PyObject *m, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"settings", py_settings, METH_NOARGS,
-     "settings() -> [dict]: every PYDDP_* setting (name, kind, default, bounds, doc)"},
+     "settings() -> [dict]: every PYDDP_* setting (name, kind, default, bounds, doc, scope)"},
     {"setting", py_setting, METH_O,
      "setting(name) -> its value as the core parses it (None: unset string)"},
     {"setting_text", py_setting_text, METH_O,

@@ -21,7 +21,12 @@
  * The completion thread: one per process, started by the first
  * add_done_callback. It keeps the Works that have callbacks, is woken by the
  * CPU worker's notify hook (ddp_py_work_notify) and polls every millisecond
- * while a work of a transport that cannot notify (NCCL) is pending.
+ * while a work of a transport that cannot notify (NCCL) is pending. At
+ * interpreter exit, before finalization, completion_park() (pyddp/_exit.py)
+ * parks it for good outside Python: a thread that takes the GIL back once
+ * finalization has begun is stopped by Python with pthread_exit, and if it
+ * was inside a callback running C++ (torch's futures) the unwinding through
+ * noexcept frames aborts the process.
  */
 #include "py_work.h"
 
@@ -30,6 +35,7 @@
 #include <signal.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define DRAIN_GRACE_MS 5000
 
@@ -56,8 +62,7 @@ static PyTypeObject *WorkType;
 enum { FIN_NOT = 0, FIN_BUSY = 1, FIN_DONE = 2 };
 
 static void release_arrays(WorkObject *w) {
-    for (int i = 0; i < w->narrs; i++) ddp_py_array_release(&w->arrs[i]);
-    PyMem_Free(w->arrs);
+    ddp_py_arrays_free(w->arrs, (size_t)w->narrs);
     PyMem_Free(w->mem);
     w->arrs = NULL;
     w->narrs = 0;
@@ -175,8 +180,11 @@ static PyObject *work_raise(WorkObject *w) {
 
 static pthread_mutex_t cmu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t ccv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t parked_cv = PTHREAD_COND_INITIALIZER;  /* parked was set */
 static int kicked;
 static int started;
+static int parking, parked;   /* completion_park() asked / the thread is parked (cmu) */
+static pid_t started_in;      /* the process that started it (not a forked child) */
 static PyObject *pending;  /* list of Works with callbacks (GIL) */
 
 void ddp_py_work_notify(void *ctx) {
@@ -243,6 +251,11 @@ static void *completer_main(void *unused) {
             pthread_cond_timedwait(&ccv, &cmu, &ts);
         }
         kicked = 0;
+        if (parking) {    /* for good: the process is exiting */
+            parked = 1;
+            pthread_cond_broadcast(&parked_cv);
+            for (;;) pthread_cond_wait(&ccv, &cmu);
+        }
         pthread_mutex_unlock(&cmu);
         Py_END_ALLOW_THREADS
     }
@@ -266,6 +279,7 @@ static int completer_start(void) {
         return -1;
     }
     started = 1;
+    started_in = getpid();
     return 0;
 }
 
@@ -378,8 +392,7 @@ PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, in
     WorkObject *w = PyObject_New(WorkObject, WorkType);
     if (w == NULL) {
         drop_work(work);
-        for (int i = 0; i < narrs; i++) ddp_py_array_release(&arrs[i]);
-        PyMem_Free(arrs);
+        ddp_py_arrays_free(arrs, (size_t)narrs);
         PyMem_Free(mem);
         return NULL;
     }
@@ -433,8 +446,43 @@ static PyType_Slot work_slots[] = {
 static PyType_Spec work_spec = {"pyddp._C.Work", sizeof(WorkObject), 0, Py_TPFLAGS_DEFAULT,
                                 work_slots};
 
+/* completion_park(timeout_s) -> bool: park the completion thread outside
+ * Python for the rest of the process (callbacks of works that finish later
+ * never run); waits up to timeout_s (GIL released) for it to get there from
+ * the callback it may be running. True once parked, or if it never started. */
+static PyObject *completion_park(PyObject *m, PyObject *arg) {
+    (void)m;
+    double timeout_s = PyFloat_AsDouble(arg);
+    if (timeout_s == -1.0 && PyErr_Occurred()) return NULL;
+    if (!started || started_in != getpid()) Py_RETURN_TRUE;   /* none in this process */
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = (long long)(timeout_s * 1e9);
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec += (long)(ns % 1000000000LL);
+    ts.tv_sec += ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    pthread_mutex_lock(&cmu);
+    parking = kicked = 1;
+    pthread_cond_signal(&ccv);
+    while (!parked && pthread_cond_timedwait(&parked_cv, &cmu, &ts) != ETIMEDOUT) {}
+    ok = parked;
+    pthread_mutex_unlock(&cmu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef module_methods[] = {
+    {"completion_park", completion_park, METH_O,
+     "completion_park(timeout_s) -> bool: at exit, park the completion thread outside "
+     "Python for good (see py_work.c)"},
+    {NULL}
+};
+
 int ddp_py_work_register(PyObject *m) {
     WorkType = (PyTypeObject *)PyType_FromSpec(&work_spec);
     if (WorkType == NULL || PyModule_AddObjectRef(m, "Work", (PyObject *)WorkType) < 0) return -1;
-    return 0;
+    return PyModule_AddFunctions(m, module_methods);
 }

@@ -5,9 +5,12 @@
  * validation errors that leave the communicator usable, subgroups over the
  * parent's links (interleaved with the parent's work, nested, outliving a
  * destroyed parent by reference), and the inline run of small collectives on
- * the caller's thread (ddp_comm_run_inline): results, what it declines, order
- * behind queued work, a late peer, its check hook aborting the run, and a
- * destroy from inside the hook. */
+ * the caller's thread (the run_inline op of the communicator's ddp_pg table,
+ * ddp_comm_run_inline): results, what it declines, order behind queued work
+ * (where it validates nothing: submit does, once), a late peer, its check
+ * hook aborting the run, and a destroy from inside the hook; the table's info
+ * ops against the communicator's own answers, and a table without the
+ * optional ops. */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -72,8 +75,44 @@ static int test_hook(void *p) {
     return h->abort_after && h->calls >= h->abort_after;
 }
 
+/* The inline run through the one door: the communicator's ddp_pg table. */
 static ddp_status run_inline(ddp_comm *comm, ddp_coll_args *a, hook_ctx *h, int *taken) {
-    return ddp_comm_run_inline(comm, a, -1, h ? test_hook : NULL, h, taken);
+    ddp_pg_interrupt intr = {test_hook, h};
+    *taken = -1;
+    return ddp_pg_run_inline(ddp_comm_pg(comm), a, -1, h ? &intr : NULL, taken);
+}
+
+/* The info table answers what the communicator itself answers. */
+static void check_info(ddp_comm *comm) {
+    ddp_pg pg = ddp_comm_pg(comm);
+    const ddp_pg_info *in = ddp_pg_info_of(pg);
+    T_ASSERT(in != NULL && pg.ops->run_inline != NULL);
+    T_ASSERT(in->tag(comm) == ddp_comm_tag(comm));
+    for (int r = 0; r < ddp_comm_size(comm); r++) {
+        T_ASSERT(strcmp(in->peer_desc(comm, r), ddp_comm_peer_desc(comm, r)) == 0);
+        T_ASSERT(strcmp(in->host_id(comm, r), "testhost") == 0);
+        T_ASSERT(strcmp(in->transport(comm, r), ddp_comm_transport(comm, r)) == 0);
+    }
+    uint64_t s0, d0, s1, d1;
+    ddp_flight_entry l0, l1, fr[DDP_FLIGHT_LEN];
+    in->progress(comm, &s0, &d0, &l0);
+    ddp_comm_progress(comm, &s1, &d1, &l1);
+    T_ASSERT(s0 == s1 && d0 == d1 && l0.id == l1.id);
+    T_ASSERT(in->flight(comm, fr, DDP_FLIGHT_LEN) == ddp_comm_flight(comm, fr, DDP_FLIGHT_LEN));
+}
+
+/* A transport without the optional ops (as NCCL's table): the door answers
+ * "not taken" and "no info" without calling anything. */
+static void test_pg_optional_ops(void) {
+    ddp_pg_ops ops = ddp_comm_pg(NULL).ops[0];
+    ops.run_inline = NULL;
+    ops.info = NULL;
+    ddp_pg pg = {&ops, NULL};
+    ddp_coll_args a = {.kind = DDP_COLL_BARRIER, .dtype = DDP_UINT8};
+    int taken = -1;
+    T_OK(ddp_pg_run_inline(pg, &a, -1, NULL, &taken));
+    T_ASSERT(taken == 0 && ddp_pg_info_of(pg) == NULL);
+    printf("ok optional ddp_pg ops\n");
 }
 
 static void inline_scenario(rank_ctx *c) {
@@ -100,6 +139,7 @@ static void inline_scenario(rank_ctx *c) {
         }
         return;
     }
+    check_info(comm);
     ddp_comm_progress(comm, &sub0, &done0, &last);
     /* taken, correct, counted and recorded like a queued one */
     for (int k = 0; k < 3; k++) {
@@ -142,6 +182,10 @@ static void inline_scenario(rank_ctx *c) {
     for (int i = 0; i < 16385; i++) big[i] = 1.0f;
     ddp_work *w = NULL;
     T_OK(ddp_comm_submit(comm, &large, -1, &w));
+    /* busy: declined before validation, which submit then does */
+    T_OK(run_inline(comm, &bad, NULL, &taken));
+    if (!taken) T_STATUS(run_one(comm, &bad, -1), DDP_ERR_INVALID);
+    else T_ASSERT(strstr(ddp_last_error(), "root") != NULL);   /* the big one had ended */
     for (int i = 0; i < 8; i++) x[i] = 1.0f;
     ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
                        .count = 8, .buf = x};
@@ -431,6 +475,7 @@ int main(void) {
     rank_ctx ctx[MAXR];
     char prefix[64];
     int gen = 0;
+    test_pg_optional_ops();
 
     for (int n = 1; n <= MAXR; n++) {
         snprintf(prefix, sizeof prefix, "/test/%d", gen++);

@@ -462,7 +462,8 @@ static void *comm_rank_main(void *arg) {
         bufs[b] = mem + off;
         off += pl->bucket_numel[b];
     }
-    T_OK(ddp_reducer_attach(r, bufs, &ddp_reducer_comm_ops, comm, CR));
+    ddp_pg pg = ddp_comm_pg(comm);   /* the reducer launches through the ddp_pg table */
+    T_OK(ddp_reducer_attach(r, bufs, &ddp_reducer_pg_ops, &pg, CR));
     for (int it = 0; it < CITERS; it++) {
         T_OK(ddp_reducer_begin(r));
         size_t goff[CN];

@@ -84,7 +84,7 @@ static void test_parser(void) {
     T_ASSERT(ddp_setting_parse(ring, NULL, NULL, NULL) == 0);
 
     /* integers (no INT setting is declared today: a local declaration) */
-    const ddp_setting_decl in = {"PYDDP_TEST_INT", DDP_SETTING_INT, "0", 0, -5, 5, 0, "test"};
+    const ddp_setting_decl in = {"PYDDP_TEST_INT", DDP_SETTING_INT, "0", 0, -5, 5, 0, "test", NULL};
     expect_parse(&in, "-5", 1, -5);
     expect_parse(&in, "+3", 1, 3);
     expect_parse(&in, "-6", 2, -5);
@@ -180,8 +180,9 @@ static void test_doc_matches(void) {
         if (d->flags & DDP_SETTING_DEBUG)
             snprintf(want, sizeof want, "| `%s` | %s |", d->name, d->doc);
         else
-            snprintf(want, sizeof want, "| `%s` | %s | %s |", d->name,
-                     d->dflt_text ? d->dflt_text : "unset", d->doc);
+            snprintf(want, sizeof want, "| `%s` | %s | %s | %s |", d->name,
+                     d->dflt_text ? d->dflt_text : "unset",
+                     d->scope ? d->scope : "every backend", d->doc);
         if (strcmp(line, want) != 0 || debug_section != !!(d->flags & DDP_SETTING_DEBUG)) {
             fprintf(stderr, "docs/env.md's row differs from the table:\n  doc:   %s\n  table: %s\n",
                     line, want);

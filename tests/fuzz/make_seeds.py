@@ -1,15 +1,22 @@
-"""Write the fuzz targets' seed corpora (valid inputs) into DIR/store and DIR/wire.
+"""Write the fuzz targets' seed corpora (valid inputs) into DIR/store, DIR/store_auth and
+DIR/wire.
 
 Usage: python3 tests/fuzz/make_seeds.py DIR. Store seeds are valid request streams in
 torch's TCPStore protocol (docs/design.md, "The store protocol"): VALIDATE first, then
 every query pyddp serves; each seed's first byte is the target's chunk-size selector.
-Wire seeds: a hello, a collective header, and handshake replies.
+Store-auth seeds (fuzz_store_auth.c; first byte: who authenticates, server with or without
+a token, chunk size): the same requests behind a handshake the target passes itself, and
+a stranger's openings (a challenge and a wrong proof, a plain VALIDATE, a pyddp client's
+probe, a token sent to a server without one). Wire seeds: a hello, a collective header,
+and handshake replies.
 """
 import os
 import struct
 import sys
 
 MAGIC = 0x3C85F7CE
+AUTH_MAGIC = 0x50444441   # DDP_STORE_AUTH_MAGIC: the store handshake's challenge
+AUTH_PROBE = 0x50444450   # DDP_STORE_AUTH_PROBE: a pyddp client's plain first try
 
 
 def s(b):
@@ -38,9 +45,24 @@ def requests():
     yield b"\x01" + s(b"/k") + s(b"x" * 300)                          # SET, longer value
 
 
+def store_auth_seeds(reqs):
+    """fuzz_store_auth.c's byte 0: bit 0 the target authenticates first, bit 1 a server
+    without a token, bits 2.. the chunk size."""
+    challenge = b"\x70" + struct.pack("<I", AUTH_MAGIC) + bytes(range(32))
+    ping = b"\x0d" + struct.pack("<I", 1234)
+    plain = validate() + b"".join(reqs)
+    return {"authed_all": b"\x01" + plain, "authed_all_chunked": bytes([1 | 3 << 2]) + plain,
+            "authed_ping": b"\x01" + validate() + ping,
+            "stranger_wrong_proof": b"\x00" + challenge + bytes(32),
+            "stranger_validate": b"\x00" + validate() + ping,
+            "stranger_probe": b"\x00" + validate() + b"\x0d" + struct.pack("<I", AUTH_PROBE),
+            "no_token_server_challenge": b"\x02" + challenge,
+            "no_token_server_all": bytes([2 | 5 << 2]) + plain}
+
+
 def main(out):
-    os.makedirs(os.path.join(out, "store"), exist_ok=True)
-    os.makedirs(os.path.join(out, "wire"), exist_ok=True)
+    for d in ("store", "store_auth", "wire"):
+        os.makedirs(os.path.join(out, d), exist_ok=True)
     reqs = list(requests())
     seeds = {"all": validate() + b"".join(reqs)}
     for i, r in enumerate(reqs):
@@ -51,6 +73,9 @@ def main(out):
         for chunk in (0, 3):
             with open(os.path.join(out, "store", f"{name}_{chunk}"), "wb") as f:
                 f.write(bytes([chunk]) + body)
+    for name, body in store_auth_seeds(reqs).items():
+        with open(os.path.join(out, "store_auth", name), "wb") as f:
+            f.write(body)
     hello = struct.pack("<IIQiiII", 0x44445048, 3, 1, 1, 2, 1, 0)
     hdr = struct.pack("<IBBBBiIQQQ", 0x4C4F4344, 0, 2, 0, 0, -1, 1, 10, 3, 7)
     reply_auth = struct.pack("<II", 0x52445048, 1) + os.urandom(64)
