@@ -1,18 +1,23 @@
-"""Small-collective latency: pyddp's API (NumPy and torch) against gloo and Open MPI.
+"""Small-collective latency: pyddp's API (NumPy and torch), torch.distributed over the
+"pyddp" backend, gloo and Open MPI.
 
     python benchmarks/latency.py                 # 2 and 4 ranks on this host
     python benchmarks/latency.py --nproc 2 --iters 2000
 
 For each world size the script starts the ranks itself (plain RANK/WORLD_SIZE/MASTER_*
 variables). Every rank initialises pyddp and, in the same process, a gloo group
-(torch.distributed); under mpi4py (installed, and `mpirun` on PATH) a second launch
-through mpirun times Open MPI's in-place Allreduce/Bcast/Barrier. Rows: all_reduce
-(SUM, float32) and broadcast from 8 B to 64 KiB, and barrier; columns: median
-microseconds per call over rounds of back-to-back calls (rank 0's clock, every rank
-calling). The last part times DDP's gradient hooks: a model of 200 small parameters
-(nn.Linear(8, 8) layers), one backward pass with pyddp's DDP minus the same backward
-without DDP, divided by the number of parameters; and the hook call alone (the C hook
-against the Python path it falls back to, called directly, best round).
+(torch.distributed) and a "pyddp" backend group beside it; under mpi4py (installed, and
+`mpirun` on PATH) a second launch through mpirun times Open MPI's in-place
+Allreduce/Bcast/Barrier. Rows: all_reduce (SUM, float32) and broadcast from 8 B to 64
+KiB, and barrier; columns: median microseconds per call over rounds of back-to-back
+calls (rank 0's clock, every rank calling). ``numpy`` and ``torch`` call pyddp's own
+functions (the lean path); ``backend`` calls torch.distributed's on a group of the
+"pyddp" backend (``new_group(backend="pyddp")``; with --no-gloo, torch's default group
+made with "pyddp"); ``bk-torch`` is backend minus torch. The last part times DDP's
+gradient hooks: a model of 200 small parameters (nn.Linear(8, 8) layers), one backward
+pass with pyddp's DDP minus the same backward without DDP, divided by the number of
+parameters; and the hook call alone (the C hook against the Python path it falls back
+to, called directly, best round).
 """
 import argparse
 import os
@@ -68,11 +73,16 @@ def pyddp_worker(a):
     torch.set_num_threads(1)
     dist.init_process_group("cpu")
     rank, ws = dist.get_rank(), dist.get_world_size()
+    import pyddp.torch_backend  # noqa: F401 - registers "pyddp" even with autoload off
     gloo = None
+    os.environ["MASTER_PORT"] = os.environ["GLOO_PORT"]
     if not a.no_gloo:
-        os.environ["MASTER_PORT"] = os.environ["GLOO_PORT"]
         td.init_process_group("gloo", rank=rank, world_size=ws)
         gloo = True
+        backend = td.new_group(backend="pyddp")
+    else:
+        td.init_process_group("pyddp", rank=rank, world_size=ws)
+        backend = None
     rows = []
     it, rd = a.iters, a.rounds
     sync = dist.barrier
@@ -82,26 +92,28 @@ def pyddp_worker(a):
         t = torch.ones(n)
         r = {"op": "all_reduce", "bytes": nbytes,
              "numpy": timeit(lambda: dist.all_reduce(x), it, rd, sync),
-             "torch": timeit(lambda: dist.all_reduce(t), it, rd, sync)}
+             "torch": timeit(lambda: dist.all_reduce(t), it, rd, sync),
+             "backend": timeit(lambda: td.all_reduce(t, group=backend), it, rd, sync)}
         if gloo:
             r["gloo"] = timeit(lambda: td.all_reduce(t), max(it // 10, 20), rd, sync)
         rows.append(r)
         r = {"op": "broadcast", "bytes": nbytes,
              "numpy": timeit(lambda: dist.broadcast(x, 0), it, rd, sync),
-             "torch": timeit(lambda: dist.broadcast(t, 0), it, rd, sync)}
+             "torch": timeit(lambda: dist.broadcast(t, 0), it, rd, sync),
+             "backend": timeit(lambda: td.broadcast(t, 0, group=backend), it, rd, sync)}
         if gloo:
             r["gloo"] = timeit(lambda: td.broadcast(t, 0), max(it // 10, 20), rd, sync)
         rows.append(r)
     r = {"op": "barrier", "bytes": 0, "numpy": timeit(dist.barrier, it, rd, sync)}
     r["torch"] = r["numpy"]
+    r["backend"] = timeit(lambda: td.barrier(group=backend), it, rd, sync)
     if gloo:
         r["gloo"] = timeit(td.barrier, max(it // 10, 20), rd, sync)
     rows.append(r)
     hook = ddp_hook_cost(dist, torch, rd)
     if rank == 0:
         print("RESULT", repr({"ws": ws, "rows": rows, "hook": hook}), flush=True)
-    if gloo:
-        td.destroy_process_group()
+    td.destroy_process_group()
     dist.destroy_process_group()
 
 
@@ -247,15 +259,17 @@ def launch_mpi(a, ws):
 
 
 def report(ws, res, mpi):
-    cols = ["numpy", "torch", "gloo", "mpi"]
+    cols = ["numpy", "torch", "backend", "gloo", "mpi"]
     by = {(r["op"], r["bytes"]): r for r in res["rows"]}
     for r in (mpi or {}).get("rows", []):
         by.setdefault((r["op"], r["bytes"]), {}).update(mpi=r["mpi"])
     print(f"\n## world size {ws}: {STAT.__name__} microseconds per call")
     print(f"{'op':<11}{'bytes':>7}" + "".join(f"{c:>10}" for c in cols) +
-          f"{'numpy/mpi':>11}{'torch/mpi':>11}")
+          f"{'bk-torch':>10}{'numpy/mpi':>11}{'torch/mpi':>11}")
     for (op, nbytes), r in by.items():
         cells = "".join(f"{r[c] * 1e6:>10.1f}" if c in r else f"{'-':>10}" for c in cols)
+        cells += f"{(r['backend'] - r['torch']) * 1e6:>+10.1f}" if "backend" in r and \
+            "torch" in r else f"{'-':>10}"
         ratio = "".join(f"{r[c] / r['mpi']:>11.1f}" if "mpi" in r and c in r
                         else f"{'-':>11}" for c in ("numpy", "torch"))
         print(f"{op:<11}{nbytes:>7}{cells}{ratio}")

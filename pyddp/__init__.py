@@ -15,10 +15,11 @@ from . import _C
 from ._C import (AuthenticationError, BackendUnavailableError, CollectiveMismatchError, DistBackendError,
                  DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError,
                  DistTimeoutError, DistTypeError, DistValueError, VersionMismatchError)
-from ._group import (WORLD, Group, destroy_process_group, get_backend, get_global_rank,
+from ._group import (WORLD, Group, dump_flight_record, get_backend, get_global_rank,
                      get_group_rank, get_local_rank, get_local_world_size,
-                     get_process_group_ranks, get_rank, get_world_size, group,
-                     init_process_group, is_available, is_initialized, new_group)
+                     get_process_group_ranks, get_rank, get_world_size, group, is_available,
+                     is_initialized, new_group)
+from ._world import destroy_process_group, init_process_group
 from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_into_tensor,
                           all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single,
                           barrier, batch_isend_irecv, broadcast, gather, irecv, isend,
@@ -27,7 +28,6 @@ from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_into_ten
 from ._objects import (all_gather_object, broadcast_object_list, gather_object,
                        scatter_object_list)
 from .store import TCPStore
-from ._forensics import dump_flight_record
 from ._nccl_backend import cuda_device_for_local_rank
 from .sampler import DistributedSampler
 

@@ -41,9 +41,10 @@ other ranks used, and rebuilds the buckets once in the order gradients arrived o
 """
 import numpy as np
 
-from . import _C, _forensics
+from . import _C
 from ._nccl_backend import caller_stream
 from . import _arrays as A
+from ._errors import COLLECTIVE_FAILURES, raise_explained
 
 FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
 _READY, _SECOND, _TOO_MANY = _C.GRAD_READY, _C.GRAD_SECOND, _C.GRAD_TOO_MANY
@@ -424,11 +425,8 @@ class GradSync:
                 self._fail(self._unused_message(pending, when="in this backward pass"))
             try:
                 used = self.engine.finish(track)
-            except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
-                extra = _forensics.explain(self._group, e) if self._group is not None else None
-                if extra:
-                    raise type(e)(f"{e}\n{extra}") from None
-                raise
+            except COLLECTIVE_FAILURES as e:
+                raise_explained(self._group, e)
             if self.hooks.learn():
                 self._static_used = used
             elif self.static_graph:

@@ -26,8 +26,8 @@ import torch
 from . import _C
 from . import _arrays as A
 from ._ddp_reducer import GradSync
-from .ddp import (DistributedDataParallel, broadcast_coalesced, bucket_bytes, ddp_group,
-                  reduce_dtype_name, sync_initial_state, use_generic_path)
+from ._ddp_common import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
+                          ddp_group, reduce_dtype_name, sync_initial_state, use_generic_path)
 
 
 def _act(ddp_ref, i, verdict):

@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from . import _C, _env, _group, _nccl_backend
+from . import _C, _env, _nccl_backend, _rendezvous
 from ._version import __version__
 
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
@@ -110,7 +110,7 @@ def advertise(master, timeout):
     when init_process_group would fail: a bad PYDDP_SOCKET_IFNAME). master: the
     master's host, resolved here with a bound and handed to _env.advertise_address as
     a number, so that the C route lookup never waits on DNS."""
-    ifname = os.environ.get("PYDDP_SOCKET_IFNAME")
+    ifname = _env.socket_ifname()
     out = {"addr": "", "iface": "", "how": "", "fallback": False, "error": ""}
     target, why = None, "no master known"
     if master and not ifname:
@@ -247,6 +247,6 @@ def gather(master, timeout):
     None); timeout: the bound of each name lookup and of the single-copy probe."""
     return {"host": socket.gethostname(), "host_id": _env.host_identity(),
             "versions": versions(), "advertise": advertise(master, timeout),
-            "names": hostnames(timeout), "primary": _group._primary_address(),
+            "names": hostnames(timeout), "primary": _rendezvous._primary_address(),
             "shm_free": shm_free(),
             "cma": single_copy(max(timeout, 2.0)), "nccl": nccl(), "settings": settings()}

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _C, _env, _group, _objects, bench, collectives
+from . import _C, _env, _group, _objects, _rendezvous, _world, bench, collectives
 from . import _doctor_checks as chk
 from ._doctor_facts import gather, human_bytes
 
@@ -132,12 +132,12 @@ def measure_lines(rows, nbytes):
 def _group_run(args, store, rank, world):
     """init_process_group over the doctor's store, measure, destroy; '' or the error."""
     try:
-        _group.init_process_group("cpu", store=store, rank=rank, world_size=world,
+        _world.init_process_group("cpu", store=store, rank=rank, world_size=world,
                                   timeout=_td(args.join_timeout))
         try:
             return measure(args, rank, world)
         finally:
-            _group.destroy_process_group()
+            _world.destroy_process_group()
     except _C.DistError as e:
         return [], f"{type(e).__name__}: {e}"
 
@@ -155,7 +155,7 @@ def run(args):
     facts = gather(rdzv.master_addr, args.timeout)
     _group._State.rank = rank       # names this rank in _connect_store's progress lines
     try:
-        store = _group._make_store(rdzv, args.join_timeout)
+        store = _rendezvous._make_store(rdzv, args.join_timeout)
     except _C.DistError as e:
         f = chk.unreachable(rdzv.master_addr, rdzv.master_port, e, args.timeout)
         print(f"pyddp doctor: rank {rank} on {facts['host']} could not use the store at "

@@ -1,9 +1,15 @@
 """Where a process finds its rank, world size and store: torchrun's environment,
-``tcp://`` and ``file://`` init methods, and the settings pyddp reads from
-``PYDDP_*`` variables.
+``tcp://`` and ``file://`` init methods, and the settings pyddp's Python layer parses
+itself from ``PYDDP_*`` variables (PYDDP_TIMEOUT, PYDDP_PORT_RANGE, PYDDP_SOCKET_IFNAME).
 
 Nothing here talks to the network. Every check that can fail does so here, before any
 connection is attempted, with an error naming the variable or argument at fault.
+Every ``PYDDP_*`` variable is declared in the C core's settings table
+(``csrc/core/ddp_settings.c``, listed in docs/env.md) and read through it: the core's
+parse-once values through ``_C.setting``, the text of the ones parsed here, at each use,
+through ``_C.setting_text`` (tests/test_layers.py checks that nothing reads one
+otherwise). The launcher's variables (RANK, MASTER_ADDR, TORCHELASTIC_*) are read here
+directly.
 """
 import os
 import socket
@@ -66,8 +72,7 @@ def resolve(init_method, rank, world_size) -> Rendezvous:
     """Read the rendezvous settings for init_method (None means ``env://``)."""
     init_method = init_method or "env://"
     url = urlparse(init_method)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
-    restart = _env_int("TORCHELASTIC_RESTART_COUNT", required=False) or 0
+    run_id, restart = elastic_attempt()
     if url.scheme == "env":
         if rank is None or rank < 0:
             rank = _env_int("RANK")
@@ -115,6 +120,18 @@ def resolve(init_method, rank, world_size) -> Rendezvous:
                f"and file:///path")
 
 
+def seconds(t) -> float:
+    """A timeout given as a timedelta or a number of seconds, in seconds."""
+    return t.total_seconds() if hasattr(t, "total_seconds") else float(t)
+
+
+def elastic_attempt():
+    """(run id, restart count) of torchrun's attempt: TORCHELASTIC_RUN_ID ("none" when
+    unset) and TORCHELASTIC_RESTART_COUNT (0 when unset), part of pyddp's key prefix."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
+    return run_id, _env_int("TORCHELASTIC_RESTART_COUNT", required=False) or 0
+
+
 def timeout_seconds(timeout) -> float:
     """The effective timeout: the argument, else PYDDP_TIMEOUT (seconds), else 30 min."""
     if timeout is not None:
@@ -125,7 +142,7 @@ def timeout_seconds(timeout) -> float:
         if secs <= 0:
             raise _bad(f"timeout={timeout!r} must be positive")
         return secs
-    env = os.environ.get("PYDDP_TIMEOUT")
+    env = _C.setting_text("PYDDP_TIMEOUT")
     if env:
         try:
             secs = float(env)
@@ -139,7 +156,7 @@ def timeout_seconds(timeout) -> float:
 
 def port_range():
     """PYDDP_PORT_RANGE="lo-hi" for data connections, or (0, 0) for ephemeral ports."""
-    v = os.environ.get("PYDDP_PORT_RANGE", "").strip()
+    v = (_C.setting_text("PYDDP_PORT_RANGE") or "").strip()
     if not v:
         return 0, 0
     try:
@@ -197,7 +214,7 @@ def advertise_address(master_addr: Optional[str]) -> str:
     fails (DistValueError) saying to pass --local-addr or set PYDDP_SOCKET_IFNAME.
     Loopback is advertised only to a job on one host.
     """
-    ifname = os.environ.get("PYDDP_SOCKET_IFNAME")
+    ifname = socket_ifname()
     if ifname:
         return _C.ifname_addr(ifname)
     addr = None
@@ -221,6 +238,12 @@ def advertise_address(master_addr: Optional[str]) -> str:
                f"(this node's private address) to torchrun, set PYDDP_SOCKET_IFNAME to the "
                f"interface of the private network, or make MASTER_ADDR's name resolve to "
                f"that address")
+
+
+def socket_ifname() -> Optional[str]:
+    """PYDDP_SOCKET_IFNAME: the interface whose address this rank advertises, or None
+    (unset or empty: the address is chosen by the route to the store's host)."""
+    return _C.setting_text("PYDDP_SOCKET_IFNAME") or None
 
 
 def interface_of(addr) -> str:

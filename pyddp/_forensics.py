@@ -6,7 +6,8 @@ How it works, without touching the hot path:
 * Every world group (init_process_group's, or torch's "pyddp" backend's) has one
   :class:`Watcher`: a daemon thread holding its own store connection blocked in WAIT on
   ``<prefix>/stall/stuck/<i>``, the next incident's key, and a second short-timeout
-  connection for reports.
+  connection for reports. The store's keys and records are declared once, in
+  ``csrc/core/ddp_forensics.h``; this module reads them through ``_C.FX_*``.
 * When a collective times out, the C worker announces it in the store before the group
   breaks (``ADD stuck_n``, ``SET stuck/<i> = rank, group tag, collective number``).
 * Every watcher wakes, publishes this process's report (its progress on that group from
@@ -43,6 +44,65 @@ _FRAMES_PER_THREAD = 12
 
 _by_tag = weakref.WeakValueDictionary()   # group tag -> Group of this process
 _signal_installed = False
+
+# The store schema (csrc/core/ddp_forensics.h): key names, and each record's fields.
+_KEY = _C.FX_KEYS
+_STUCK_FIELDS = tuple(_C.FX_STUCK_FIELDS.split(";"))
+_BROKEN_FIELDS = tuple(_C.FX_BROKEN_FIELDS.split(";"))
+
+
+def _stuck_n_key(prefix):
+    return f"{prefix}/{_KEY['incidents']}"
+
+
+def _stuck_key(prefix, i):
+    """Incident i's record."""
+    return f"{prefix}/{_KEY['incident']}/{i}"
+
+
+def _report_key(stuck_key, rank):
+    """rank's report about the incident whose record is at stuck_key."""
+    return f"{stuck_key}/{_KEY['report']}/{rank}"
+
+
+def _read_key(prefix, tag, seq):
+    """The count of ranks that read the reports of collective seq of group tag."""
+    return f"{prefix}/{_KEY['incident']}/{_KEY['read']}/{tag:016x}/{seq}"
+
+
+def _broken_key(prefix, rank=None):
+    """rank's failure record; the first failure's for rank None."""
+    return f"{prefix}/{_KEY['failure']}" + ("" if rank is None else f"/{rank}")
+
+
+def _fields(text, names):
+    """A record's text as {name: value}: "name=value" fields joined by ';' in the
+    order of names, the last one free text (it may hold ';' and '='). ValueError when
+    text is not such a record."""
+    parts = text.split(";", len(names) - 1)
+    out = {}
+    for name, part in zip(names, parts):
+        key, sep, value = part.partition("=")
+        if key != name or not sep:
+            raise ValueError(f"not a forensics record with fields {names}: {text[:200]!r}")
+        out[name] = value
+    if len(out) != len(names):
+        raise ValueError(f"not a forensics record with fields {names}: {text[:200]!r}")
+    return out
+
+
+def _parse(text):
+    """A STUCK record: {rank, tag, seq, what, what_short (what without "on rank ...")}."""
+    d = _fields(text, _STUCK_FIELDS)
+    what = d["what"]
+    return {"rank": int(d["rank"]), "tag": int(d["tag"], 16), "seq": int(d["seq"]),
+            "what": what, "what_short": what.split(" on rank ")[0]}
+
+
+def _parse_broken(text):
+    """A BROKEN record: {rank, what}."""
+    d = _fields(text, _BROKEN_FIELDS)
+    return {"rank": int(d["rank"]), "what": d["what"]}
 
 
 def register(group):
@@ -146,7 +206,7 @@ class Watcher:
     def _run(self):
         i, told, dumped = 1, set(), set()
         while not self._stop:
-            key = f"{self.prefix}/stuck/{i}"
+            key = _stuck_key(self.prefix, i)
             try:
                 self._watch.wait([key], timedelta(hours=1))
                 info = _parse(self._watch.get(key).decode())
@@ -157,7 +217,7 @@ class Watcher:
             try:
                 rep = self.report(info)
                 text = json.dumps(rep)
-                self._watch.set(f"{key}/report/{self.rank}", text)
+                self._watch.set(_report_key(key, self.rank), text)
                 i, announcers = self._answer_same(i, info, text)
                 # Several ranks may time out on the same collective: say it once, and
                 # dump the flight record once if this rank is one of them.
@@ -169,7 +229,7 @@ class Watcher:
                           f"this rank's state:\n{self.text(rep)}", file=sys.stderr, flush=True)
                 if self.rank in announcers and what not in dumped:
                     dumped.add(what)
-                    dump_flight_record(group=self.group)
+                    print_flight_record(self.group)
             except Exception:  # noqa: BLE001 - best effort: never disturb the job
                 pass
             i += 1
@@ -182,7 +242,7 @@ class Watcher:
         for j, key, nxt in _incidents_after(self._watch, self.prefix, i):
             if (nxt["tag"], nxt["seq"]) != (info["tag"], info["seq"]):
                 break
-            self._watch.set(f"{key}/report/{self.rank}", text)
+            self._watch.set(_report_key(key, self.rank), text)
             announcers.add(nxt["rank"])
             i = j
         return i, announcers
@@ -225,13 +285,6 @@ class Watcher:
             self._thread.join(join_s)
 
 
-def _parse(text):
-    d = dict(kv.split("=", 1) for kv in text.split(";", 3))
-    what = d.get("what", "")
-    return {"rank": int(d["rank"]), "tag": int(d["tag"], 16), "seq": int(d["seq"]),
-            "what": what, "what_short": what.split(" on rank ")[0]}
-
-
 def explain(group, err):
     """The straggler summary for err, a failure of a collective on group, or None when
     no rank of its world announced a timeout on this group. Waits at most REPORT_WAIT_S
@@ -242,12 +295,12 @@ def explain(group, err):
         return None
     try:
         tag = group._pg.progress()["tag"]
-        n = w.reports.add(f"{w.prefix}/stuck_n", 0)
+        n = w.reports.add(_stuck_n_key(w.prefix), 0)
         info = None
         for i in range(n, max(n - 4, 0), -1):
-            cand = _parse(w.reports.get(f"{w.prefix}/stuck/{i}").decode())
+            cand = _parse(w.reports.get(_stuck_key(w.prefix, i)).decode())
             if cand["tag"] == tag:
-                info, key = cand, f"{w.prefix}/stuck/{i}"
+                info, key = cand, _stuck_key(w.prefix, i)
                 break
         if info is None:
             return first_failure(w, err)
@@ -256,8 +309,8 @@ def explain(group, err):
         while True:
             seen = _announced(w, info, seen, announced)
             for r in group.ranks:
-                if r not in reports and w.reports.check([f"{key}/report/{r}"]):
-                    reports[r] = json.loads(w.reports.get(f"{key}/report/{r}").decode())
+                if r not in reports and w.reports.check([_report_key(key, r)]):
+                    reports[r] = json.loads(w.reports.get(_report_key(key, r)).decode())
             if all(r in reports or r in announced for r in group.ranks) \
                     or time.monotonic() >= deadline:
                 break
@@ -283,9 +336,9 @@ def _announced(w, info, seen, ranks):
 def _incidents_after(store, prefix, i):
     """(number, key, parsed record) of each incident announced after number i, in order,
     stopping at the first one not written yet (its announcer is between ADD and SET)."""
-    n = store.add(f"{prefix}/stuck_n", 0)
+    n = store.add(_stuck_n_key(prefix), 0)
     for j in range(i + 1, n + 1):
-        key = f"{prefix}/stuck/{j}"
+        key = _stuck_key(prefix, j)
         if not store.check([key]):
             return
         yield j, key, _parse(store.get(key).decode())
@@ -301,7 +354,7 @@ def _read_and_linger(w, info, reports, announced):
     that hosts the store, wait (at most LINGER_S) until every rank that had reached the
     collective has, so that this process exiting on its error does not close the store
     while they still read. Best effort: a store that is gone ends the wait."""
-    key = f"{w.prefix}/stuck/read/{info['tag']:016x}/{info['seq']}"
+    key = _read_key(w.prefix, info["tag"], info["seq"])
     arrived = len(announced | {r for r, rep in reports.items() if _arrived(rep, info["seq"])})
     try:
         n = w.reports.add(key, 1)
@@ -335,12 +388,12 @@ def _blamed(what):
 
 
 def _record(w, key, deadline):
-    """The "rank=R;what=..." record at key as a dict, waiting until deadline; or None."""
+    """The BROKEN record at key ({rank, what}), waiting until deadline; or None."""
     while not w.reports.check([key]):
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.005)
-    return dict(kv.split("=", 1) for kv in w.reports.get(key).decode().split(";", 1))
+    return _parse_broken(w.reports.get(key).decode())
 
 
 def first_failure(w, err):
@@ -358,7 +411,7 @@ def first_failure(w, err):
     seen, last = {w.rank}, None      # last: (rank, message) of the latest record read
     while cur not in seen:
         seen.add(cur)
-        rec = _record(w, f"{w.prefix}/broken/{cur}", deadline)
+        rec = _record(w, _broken_key(w.prefix, cur), deadline)
         if rec is None:
             if last is None:         # err's own peer went away: err says so already
                 return None
@@ -371,8 +424,8 @@ def first_failure(w, err):
             return f"The first failure in this job was on rank {cur}: {rec['what']}"
         cur = nxt
     # Ranks that gave up on each other: the first record, if another rank made it.
-    first = _record(w, f"{w.prefix}/broken", 0)
-    if first is None or int(first["rank"]) == w.rank:
+    first = _record(w, _broken_key(w.prefix), 0)
+    if first is None or first["rank"] == w.rank:
         return None
     return f"The first failure in this job was on rank {first['rank']}: {first['what']}"
 
@@ -407,19 +460,18 @@ def summarize(group, info, reports, announced=()):
     return "\n".join(lines)
 
 
-def dump_flight_record(file=None, group=None):
-    """Print the flight record of group's communicator (the default group's if None:
-    the last 64 collectives of this process, every group) and return it as a list."""
-    from ._group import _resolve
-    g = _resolve(group)
-    entries = g.pg("dump_flight_record").flight_record()
-    print(f"pyddp: rank {g._world_rank}: flight record (oldest first)\n"
+def print_flight_record(group, file=None):
+    """Print the flight record of group's communicator (the last 64 collectives of this
+    process, every group of its world) on file (stderr) and return it as a list."""
+    entries = group.pg("dump_flight_record").flight_record()
+    print(f"pyddp: rank {group._world_rank}: flight record (oldest first)\n"
           f"{format_flight_record(entries)}", file=file or sys.stderr, flush=True)
     return entries
 
 
-def install_signal_dump():
-    """With PYDDP_DUMP_ON_SIGNAL=1, SIGUSR1 prints the flight record (main thread only)."""
+def install_signal_dump(dump):
+    """With PYDDP_DUMP_ON_SIGNAL=1, SIGUSR1 calls dump() (main thread only; once per
+    process): pyddp.dump_flight_record, which prints the default group's record."""
     global _signal_installed
     if _signal_installed or not _C.setting("PYDDP_DUMP_ON_SIGNAL"):
         return
@@ -429,7 +481,7 @@ def install_signal_dump():
 
     def on_usr1(signum, frame):
         try:
-            dump_flight_record()
+            dump()
         except Exception:  # noqa: BLE001 - no group any more
             pass
     signal.signal(signal.SIGUSR1, on_usr1)

@@ -88,7 +88,7 @@ def _dedupe(cands):
 
 def _env_library(var, soname):
     """The candidate named by environment variable var (a file or a folder), or []."""
-    v = os.environ.get(var)
+    v = _C.setting_text(var)
     if not v:
         return []
     return [(os.path.join(v, soname) if os.path.isdir(v) else v, var)]
@@ -142,7 +142,7 @@ def cudart_candidates():
 def _prefer_loaded():
     """Whether an NCCL this process already loaded beats the search order: unless
     PYDDP_NCCL_LIBRARY names one."""
-    return not os.environ.get("PYDDP_NCCL_LIBRARY")
+    return not _C.setting_text("PYDDP_NCCL_LIBRARY")
 
 
 def load():
@@ -152,7 +152,7 @@ def load():
     global _info
     if _info is not None:
         return _info
-    env = os.environ.get("PYDDP_NCCL_LIBRARY")
+    env = _C.setting_text("PYDDP_NCCL_LIBRARY")
     info = _C.nccl_load(nccl_candidates(), cudart_candidates(), _prefer_loaded())
     want = _env_library("PYDDP_NCCL_LIBRARY", "libnccl.so.2")
     if want and os.path.realpath(want[0][0]) != os.path.realpath(info["nccl_path"]):

@@ -8,30 +8,50 @@ the new names where torch has two. Each method maps torch's arguments onto pyddp
 collective of the same meaning, on this group's pyddp group handle: CPU tensors go
 to pyddp's CPU transport and CUDA tensors to its NCCL path, chosen by the handle.
 
-torch's options carry group ranks; pyddp's src/dst are global ranks, so roots are
-translated through the handle's member list. torch's semantics kept here:
+Two paths:
 
-* every call is asynchronous: it returns a torch ``Work`` (:class:`PyddpWork`) over a
-  ``torch.futures.Future`` whose value is the list of output tensors, completed by
-  pyddp's own completion thread (``Work.add_done_callback``), never by a Python
-  thread per call;
-* errors raised while the collective runs reach the future as torch's DistError
-  family; arguments pyddp refuses raise at the call, before anything is sent;
+* the thin path, for a call on one contiguous CPU tensor (all_reduce: torch DDP's
+  bucket; broadcast, reduce, barrier): straight to ``_C.ProcessGroup`` with the tensor
+  passed by address. torch's blocking wrappers say so (``opts.asyncOp`` False) and
+  wait at once, so such a call runs to completion here, through the lean path (a small
+  one inline on this thread), and returns None, which torch takes as "the backend has
+  synchronised"; an asynchronous one is submitted and gets a :class:`PyddpWork` whose
+  future pyddp's completion thread completes (``_torch_work``);
+* the general path for everything else (several tensors, CUDA tensors, lists, odd
+  layouts), through pyddp's own functions (``collectives``) with ``async_op=True``.
+
+torch's options carry group ranks; pyddp's functions take global ranks, so roots are
+translated through the handle's member list (the thin path passes group ranks to the
+core as they are). torch's semantics kept here:
+
+* a call with ``asyncOp`` (every call from C++, and torch's ``async_op=True``) returns a
+  torch ``Work`` over a ``torch.futures.Future`` whose value is the list of output
+  tensors, completed by pyddp's own completion thread, never by a Python thread per
+  call;
+* errors raised while the collective runs reach the future (or, for a blocking call,
+  the caller) as torch's DistError family (``_errors.torch_error``); arguments pyddp
+  refuses raise at the call, before anything is sent;
 * ``ReduceOp.PREMUL_SUM`` is a SUM of the inputs scaled by its factor; the bitwise
   ops are refused before communicating.
 """
 import torch
 import torch.distributed as dist
 
-import pyddp
+from . import _C
+from . import _arrays as A
 from . import collectives as C
-from ._torch_work import PyddpWork, _Completion, _first_error_or_empty, _future_for, \
-    raise_as_torch
+from ._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
+from ._torch_work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
+    future_for
+
+_PG = _C.ProcessGroup
+_torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 
 _RedOpType = dist.ReduceOp.RedOpType
-_OPS = {_RedOpType.SUM: pyddp.ReduceOp.SUM, _RedOpType.AVG: pyddp.ReduceOp.AVG,
-        _RedOpType.MIN: pyddp.ReduceOp.MIN, _RedOpType.MAX: pyddp.ReduceOp.MAX,
-        _RedOpType.PRODUCT: pyddp.ReduceOp.PRODUCT}
+_SUM = _RedOpType.SUM       # opts.reduceOp == _SUM is the cheap test (ReduceOp.__eq__)
+_OPS = {_RedOpType.SUM: C.ReduceOp.SUM, _RedOpType.AVG: C.ReduceOp.AVG,
+        _RedOpType.MIN: C.ReduceOp.MIN, _RedOpType.MAX: C.ReduceOp.MAX,
+        _RedOpType.PRODUCT: C.ReduceOp.PRODUCT}
 
 
 def _reduce_op(op):
@@ -39,13 +59,22 @@ def _reduce_op(op):
     Raises ValueError for ops pyddp cannot run (the bitwise ones), before any call."""
     kind = op.op if isinstance(op, dist.ReduceOp) else op
     if kind == _RedOpType.PREMUL_SUM:
-        return pyddp.ReduceOp.SUM, op.factor
+        return C.ReduceOp.SUM, op.factor
     if kind in _OPS:
         return _OPS[kind], None
-    raise pyddp.DistValueError(
+    raise _C.DistValueError(
         f"the pyddp backend does not support ReduceOp.{getattr(kind, 'name', kind)}; it "
         f"supports SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM. For bool tensors use MAX "
         f"for logical or and MIN for logical and.")
+
+
+def _raise_explained_as_torch(g, e):
+    """Raise e, a blocking collective's failure on group g, with the straggler report
+    (``_errors.raise_explained``), as torch's error."""
+    try:
+        raise_explained(g, e)
+    except Exception as x:
+        raise_as_torch(x)
 
 
 def _scaled(t, factor):
@@ -88,6 +117,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     def __init__(self, handle, rank, size, ranks, timeout, on_shutdown=None):
         super().__init__(rank, size)
         self._handle = handle
+        self._timeout_ms = int(handle._timeout_s * 1000)   # the core's, for the thin path
         self._ranks = list(ranks)
         self._timeout = timeout
         self._on_shutdown = on_shutdown
@@ -136,7 +166,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def _global(self, group_rank, what):
         if not 0 <= group_rank < len(self._ranks):
-            raise pyddp.DistValueError(f"{what}={group_rank} is out of range for a group of "
+            raise _C.DistValueError(f"{what}={group_rank} is out of range for a group of "
                                        f"{len(self._ranks)} ranks")
         return self._ranks[group_rank]
 
@@ -148,7 +178,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         communication) and return one torch Work that completes when all finished,
         with value ``result`` (a list of tensors). A pyddp error raised while starting
         is raised as torch's; works already started still complete the future."""
-        fut = _future_for(result)
+        fut = future_for(result)
         works = []
         try:
             for call in calls:
@@ -170,14 +200,66 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             self._coalesced.append(fut)
         return PyddpWork(fut, comp)
 
+    def _thin(self, kind, t, op, root, opts):
+        """The thin path of a call of kind (COLL_*) on one tensor t (None: barrier), op a
+        ReduceOp code and root a group rank: the torch Work of an asynchronous call,
+        None once a blocking one (``opts.asyncOp`` False) is done, or NotImplemented,
+        with nothing sent, when t needs the general path (not an exact, contiguous,
+        non-empty CPU torch.Tensor of a dtype the core takes; a destroyed group). A
+        failure raises as torch's error, a blocking collective's with the straggler
+        report. This is the hot path of torch's blocking calls: keep it to attribute
+        reads."""
+        g = self._handle
+        pg = g._pg
+        if type(pg) is not _PG:
+            return NotImplemented
+        if t is None:
+            ptr = n = 0
+            code = _C.DT_UINT8
+        else:
+            code = _torch_cpu_code(t)
+            if code is None:
+                return NotImplemented
+            n = t.numel()
+            if not n:
+                return NotImplemented
+            ptr = t.data_ptr()
+        tmo = self._timeout_ms
+        if opts is not None and not opts.asyncOp:
+            # torch's blocking wrapper, which would wait at once: run it to the end here
+            # (the lean path: inline when small and nothing is queued)
+            try:
+                pg.run(kind, ptr, op, root, tmo, n, code)
+            except COLLECTIVE_FAILURES as e:
+                _raise_explained_as_torch(g, e)
+            except Exception as e:
+                raise_as_torch(e)
+            return None
+        try:
+            w = pg.submit(kind, None if t is None else (t, ptr, n, code), None, op, root, tmo)
+        except Exception as e:
+            raise_as_torch(e)
+        fut = _Future()
+        if self._coalesced is not None:
+            self._coalesced.append(fut)
+        return PyddpWork(fut, _One(fut, w, [] if t is None else [t]))
+
     # -- reductions -----------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        rop = opts.reduceOp if opts is not None else _SUM
+        if rop == _SUM:
+            op, factor = C.ReduceOp.SUM, None
+        else:
+            op, factor = _reduce_op(rop)
         if factor is not None:
             with torch.no_grad():
                 for t in tensors:
                     t.detach().mul_(factor)
+        if len(tensors) == 1:
+            w = self._thin(_C.COLL_ALLREDUCE, tensors[0], op, 0, opts)
+            if w is not NotImplemented:
+                return w
         kw = self._kw()
         return self._run([lambda t=t: C.all_reduce(t, op=op, **kw) for t in tensors],
                          list(tensors))
@@ -197,6 +279,10 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     def reduce(self, tensors, opts):
         op, factor = _reduce_op(opts.reduceOp)
         dst = self._global(opts.rootRank, "dst")
+        if factor is None and len(tensors) == 1:
+            w = self._thin(_C.COLL_REDUCE, tensors[0], op, opts.rootRank, opts)
+            if w is not NotImplemented:
+                return w
         kw = self._kw()
         if factor is None:
             return self._run([lambda t=t: C.reduce(t, dst=dst, op=op, **kw)
@@ -244,7 +330,12 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     # -- data movement ----------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None):
-        src = self._global(opts.rootRank if opts is not None else 0, "src")
+        root = opts.rootRank if opts is not None else 0
+        src = self._global(root, "src")
+        if len(tensors) == 1:
+            w = self._thin(_C.COLL_BROADCAST, tensors[0], 0, root, opts)
+            if w is not NotImplemented:
+                return w
         kw = self._kw()
         return self._run([lambda t=t: C.broadcast(t, src=src, **kw) for t in tensors],
                          list(tensors))
@@ -314,10 +405,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                           for t in tensors], list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        raise pyddp.DistValueError("the pyddp backend cannot receive from any source: pass "
+        raise _C.DistValueError("the pyddp backend cannot receive from any source: pass "
                                    "src= to recv/irecv")
 
     def barrier(self, opts=None):
+        w = self._thin(_C.COLL_BARRIER, None, 0, 0, opts)
+        if w is not NotImplemented:
+            return w
         return self._run([lambda: C.barrier(**self._kw())], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
@@ -336,7 +430,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def _end_coalescing(self, device=None):
         futs, self._coalesced = self._coalesced or [], None
-        return PyddpWork(torch.futures.collect_all(futs).then(_first_error_or_empty))
+        return PyddpWork(torch.futures.collect_all(futs).then(first_error_or_empty))
 
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing

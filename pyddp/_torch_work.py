@@ -1,12 +1,21 @@
-"""torch-side completion for the "pyddp" backend: the torch Work a call returns, the
-future behind it, and pyddp's errors as torch's.
+"""torch-side completion for the "pyddp" backend: the torch Work a call returns and the
+future behind it.
 
-A call of :class:`pyddp._torch_pg.ProcessGroupPyddp` starts one or more pyddp works; a
-:class:`_Completion` counts them down from pyddp's completion thread
-(``Work.add_done_callback``) and then completes one ``torch.futures.Future``, with the
-output tensors or with the first error as torch's exception (:func:`torch_error`), on
-a small reused pool (:class:`_Dispatcher`) so that callbacks chained on the future may
-wait for other collectives. :class:`PyddpWork` is the torch ``Work`` handed to torch.
+A call of :class:`pyddp._torch_pg.ProcessGroupPyddp` starts one or more works (a
+``_C.Work`` on the thin path, ``collectives.Work`` handles on the general one). A
+completion (:class:`_One` for one ``_C.Work``, :class:`_Completion` for several) hears
+of the end from pyddp's completion thread (``add_done_callback``) and completes one
+``torch.futures.Future`` with the output tensors, or with the first error as torch's
+exception (``_errors.torch_error``):
+
+* on the completion thread itself, unless Python code chained a callback on the future
+  (``then()``/``add_done_callback()``: a comm hook such as PowerSGD, which waits inside
+  its callback for another collective, whose own completion that thread must deliver);
+* then on a small reused pool (:class:`_Dispatcher`) instead.
+
+A thread that waits for the works itself (:meth:`PyddpWork.wait`) completes the future
+on the spot, whoever is first: no thread hop at all. :class:`PyddpWork` is the torch
+``Work`` handed to torch.
 """
 import collections
 import os
@@ -16,82 +25,66 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _C
+from ._env import seconds
+from ._errors import raise_as_torch, torch_error
 
-_MIXED = {}       # (torch class, pyddp class) -> the class raised for both
+_LOCK = threading.Lock()        # a future's _chained / _completing, for every future
 
 
-def torch_error(e):
-    """The exception torch code expects for pyddp's exception e: an instance of a class
-    derived from both torch's DistError class (DistNetworkError, DistStoreError, else
-    DistBackendError, the one torch raises for failed collectives) and e's own pyddp
-    class, so ``except torch.distributed.DistBackendError``, ``except
-    pyddp.CollectiveMismatchError`` and ``except TimeoutError`` (pyddp's timeouts) all
-    catch it. Same message, e as its cause. Anything else (argument errors,
-    KeyboardInterrupt, errors that already are torch's) is returned unchanged."""
-    if isinstance(e, dist.DistError) or not isinstance(e, _C.DistError):
-        return e
-    if isinstance(e, _C.DistNetworkError):
-        tcls = dist.DistNetworkError
-    elif isinstance(e, getattr(_C, "DistStoreError", ())):
-        tcls = dist.DistStoreError
+class _Future(torch.futures.Future):
+    """torch's future for a pyddp call, which knows whether Python code chained a
+    callback on it: those callbacks may block (see the module's docstring), so such a
+    future is completed on the pool; any other (no callback, or torch's C++ ones: DDP's
+    reducer, collect_all) is completed where the call ended."""
+
+    _chained = False        # then()/add_done_callback() was called: complete on the pool
+    _completing = False     # the completion thread chose to complete it where it is
+
+    def then(self, callback):
+        self._chain()
+        return super().then(callback)
+
+    def add_done_callback(self, callback):
+        self._chain()
+        return super().add_done_callback(callback)
+
+    def _chain(self):
+        """From now on the future completes on the pool. If pyddp's completion thread
+        already chose to complete it itself, wait until it has (a few microseconds),
+        so that the callback, chained on a completed future, runs on this thread."""
+        with _LOCK:
+            self._chained = True
+            completing = self._completing
+        while completing and not self.done():
+            time.sleep(0.0001)
+
+
+def _deliver(fut, fire):
+    """pyddp's completion thread: call fire(), which completes fut, here or, when Python
+    callbacks are chained on fut, on the pool."""
+    with _LOCK:
+        pool = fut._chained
+        if not pool:
+            fut._completing = True
+    if pool:
+        _DISPATCH.submit(fire)
     else:
-        tcls = dist.DistBackendError
-    pcls = type(e)
-    cls = _MIXED.get((tcls, pcls))
-    if cls is None:
-        cls = type(pcls.__name__, (tcls, pcls), {
-            "__module__": "pyddp.torch_backend",
-            "__doc__": f"pyddp's {pcls.__name__} as torch's {tcls.__name__}."})
-        _MIXED[(tcls, pcls)] = cls
-    out = cls(str(e))
-    out.__cause__ = e
-    return out
-
-
-def raise_as_torch(e):
-    """Raise torch_error(e) with e as its cause, or e itself when it needs no mapping
-    (call inside the ``except`` block that caught e)."""
-    t = torch_error(e)
-    if t is e:
-        raise e
-    raise t from e
-
-
-def _raise_stored(e):
-    """Raise the error e that a torch future holds as a fresh exception of the same class
-    and message (cause kept), never e itself. Raising an object gives it the frames it
-    passes through; e's would then hold this Work (through the frames' locals), which
-    holds the future, which holds e: a cycle through torch's C++ future that the garbage
-    collector cannot see, so every failed call would keep its Work, its pyddp group and
-    the group's connections alive forever."""
-    e.__traceback__ = None
-    try:
-        fresh = type(e)(*e.args)
-    except Exception:  # noqa: BLE001 - a class that cannot be re-made: raise e itself
-        raise e from e.__cause__
-    fresh.__cause__ = e.__cause__
-    raise fresh
+        fire()
 
 
 class _Dispatcher:
-    """Runs the completion of torch futures off pyddp's completion thread.
-
-    Completing a torch future runs the callbacks chained on it with ``then()`` (DDP's
-    reducer, comm hooks) on the completing thread. Some of them wait, inside the
-    callback, for another collective's future (PowerSGD's hook does); if that ran on
-    pyddp's single completion thread, the inner future could never complete. So
-    pyddp's thread only queues the completion here, and a small pool of long-lived
-    threads runs it: one thread normally (reused by every call, never one per call),
-    another started only when every pool thread is busy, up to MAX_THREADS. Idle
-    threads exit after IDLE_S seconds.
+    """Runs the completion of futures with chained Python callbacks off pyddp's
+    completion thread (see the module's docstring): one thread normally (reused by every
+    call, never one per call), another started only when every pool thread is busy, up
+    to MAX_THREADS. Idle threads exit after IDLE_S seconds.
 
     The threads are daemons, so an idle one never holds up the exit; but one that is
     running torch code when the interpreter starts finalizing is stopped by Python the
     next time it takes the GIL back (pthread_exit), and the unwinding through torch's
     noexcept C++ frames aborts the process ("terminate called without an active
     exception"). So at exit (pyddp/_exit.py) :meth:`quiesce` lets running completions
-    finish and starts no more."""
+    finish and starts no more; pyddp's completion thread, which completes the other
+    futures, is parked there too (``_C.completion_park``)."""
 
     MAX_THREADS = 32
     IDLE_S = 30.0
@@ -190,12 +183,45 @@ _DISPATCH = _Dispatcher()
 os.register_at_fork(after_in_child=_DISPATCH._after_fork)
 
 
+class _One:
+    """The completion of a thin-path call: one ``_C.Work``, whose end completes fut with
+    result (the output tensors), or with its error as torch's. fire() runs once, on
+    whichever thread gets there first: pyddp's completion thread (through _deliver) or
+    one that waited for the work (wait())."""
+
+    __slots__ = ("fut", "work", "result", "_left")
+
+    def __init__(self, fut, work, result):
+        self.fut, self.work, self.result = fut, work, result
+        self._left = [None]         # popped by the one fire() that completes fut
+        work.add_done_callback(self._done)
+
+    def _done(self, _work):
+        _deliver(self.fut, self.fire)
+
+    def wait(self, timeout):
+        """Block until the work finished (timeout: seconds, None for no limit; its
+        expiry raises torch's DistBackendError family), then complete the future."""
+        try:
+            self.work.wait(-1 if timeout is None else int(timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - failures go through the future
+            if not self.work.is_completed():          # wait(timeout) expired
+                raise_as_torch(e)
+        self.fire()
+
+    def fire(self):
+        try:
+            self._left.pop()
+        except IndexError:
+            return
+        _settle(self.fut, self.work.exception(), self.result)
+
+
 class _Completion:
-    """Completes one torch future once every pyddp Work of a call has finished: with
-    ``result`` (after ``post()``, if given, put results in place), or with the first
-    failure as torch's exception. Whoever gets there first fires it, exactly once: the
-    dispatcher, queued by pyddp's completion thread when the last work is done, or a
-    thread that waited for every work itself (PyddpWork.wait: no extra thread hop)."""
+    """The completion of a general-path call: completes one torch future once every
+    pyddp Work (``collectives.Work``) of the call has finished, with ``result`` (after
+    ``post()``, if given, put results in place), or with the first failure as torch's
+    exception. fire() runs once, as for :class:`_One`."""
 
     def __init__(self, fut, works, result, post=None):
         self.fut, self.works, self.result, self.post = fut, list(works), result, post
@@ -208,12 +234,23 @@ class _Completion:
             w.add_done_callback(self._one)
 
     def _one(self, work):
-        """pyddp's completion thread: count down; the last one queues fire()."""
+        """pyddp's completion thread: count down; the last one delivers fire()."""
         with self.lock:
             self.left -= 1
             if self.left:
                 return
-        _DISPATCH.submit(self.fire)
+        _deliver(self.fut, self.fire)
+
+    def wait(self, timeout):
+        """Block until every work finished (timeout: seconds each, None for no limit),
+        then complete the future."""
+        for w in self.works:
+            try:
+                w.wait(timeout)
+            except Exception as e:  # noqa: BLE001 - failures go through the future
+                if not w.is_completed():          # wait(timeout) expired
+                    raise_as_torch(e)
+        self.fire()
 
     def fire(self):
         """Complete the future (once; later calls return at once). Every work must have
@@ -228,17 +265,32 @@ class _Completion:
                 self.post()
             except Exception as e:  # noqa: BLE001 - reported through the future
                 err = e
+        _settle(self.fut, err, self.result)
+
+
+def _settle(fut, err, result):
+    """Complete fut with result, or with err (pyddp's) as torch's exception. Should that
+    fail, fut gets the failure instead: a future left pending would hang its waiter
+    (DDP's end of backward) for good."""
+    try:
         if err is None:
-            self.fut.set_result(self.result)
+            fut.set_result(result)
         else:
-            self.fut.set_exception(torch_error(err))
+            fut.set_exception(torch_error(err))
+    except Exception as e:  # noqa: BLE001 - the waiter must wake
+        if not fut.done():
+            fut.set_exception(e)
 
 
-def _future_for(tensors):
-    """A torch future; for CUDA results it lists their devices, so a consumer's stream
-    is ordered after the completion (torch records an event when it is set)."""
-    devs = sorted({t.device for t in tensors if t.is_cuda}, key=lambda d: d.index or 0)
-    return torch.futures.Future(devices=devs) if devs else torch.futures.Future()
+def future_for(tensors):
+    """A future for a call with these output tensors; for CUDA results it lists their
+    devices, so a consumer's stream is ordered after the completion (torch records an
+    event when it is set)."""
+    for t in tensors:
+        if t.is_cuda:
+            devs = sorted({t.device for t in tensors if t.is_cuda}, key=lambda d: d.index or 0)
+            return _Future(devices=devs)
+    return _Future()
 
 
 class PyddpWork(dist.Work):
@@ -246,8 +298,8 @@ class PyddpWork(dist.Work):
     (``_create_work_from_future``) returns from ``wait()`` even when its future holds an
     error, so this subclass of torch's Work (pybind's trampoline routes C++ callers'
     ``wait`` and ``getFuture`` here too) waits on pyddp's works, which is interruptible
-    by Ctrl-C, and then on the future, which raises the collective's error as torch's
-    exception. ``get_future()`` gives the future itself (value: the output tensors)."""
+    by Ctrl-C, completes the future itself, and then raises the collective's error as
+    torch's exception. ``get_future()`` gives the future (value: the output tensors)."""
 
     def __init__(self, fut, completion=None):
         super().__init__()
@@ -256,17 +308,12 @@ class PyddpWork(dist.Work):
 
     def wait(self, timeout=None):
         # torch's C++ callers pass kNoTimeout, zero milliseconds, meaning "no timeout"
-        if timeout is not None and _seconds(timeout) <= 0:
-            timeout = None
+        t = None if timeout is None else seconds(timeout)
+        if t is not None and t <= 0:
+            t = None
         comp = self._comp
         if comp is not None and not self._fut.done():
-            for w in comp.works:
-                try:
-                    w.wait(timeout)
-                except Exception as e:  # noqa: BLE001 - failures go through the future
-                    if not w.is_completed():          # wait(timeout) expired
-                        raise_as_torch(e)
-            comp.fire()
+            comp.wait(t)
         try:
             self._fut.wait()
         except Exception as e:  # noqa: BLE001 - the collective's error, re-raised fresh
@@ -306,11 +353,23 @@ class PyddpWork(dist.Work):
         return f"<pyddp Work {state}>"
 
 
-def _seconds(t):
-    return t.total_seconds() if hasattr(t, "total_seconds") else float(t)
+def _raise_stored(e):
+    """Raise the error e that a torch future holds as a fresh exception of the same class
+    and message (cause kept), never e itself. Raising an object gives it the frames it
+    passes through; e's would then hold this Work (through the frames' locals), which
+    holds the future, which holds e: a cycle through torch's C++ future that the garbage
+    collector cannot see, so every failed call would keep its Work, its pyddp group and
+    the group's connections alive forever."""
+    e.__traceback__ = None
+    try:
+        fresh = type(e)(*e.args)
+    except Exception:  # noqa: BLE001 - a class that cannot be re-made: raise e itself
+        raise e from e.__cause__
+    fresh.__cause__ = e.__cause__
+    raise fresh
 
 
-def _first_error_or_empty(all_done):
+def first_error_or_empty(all_done):
     """collect_all's callback: re-raise the first member's error, else value []."""
     for f in all_done.value():
         f.value()

@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 import pyddp as dist
+from pyddp import _C
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -354,11 +355,10 @@ def run_info(args, world, backends, stream, hosts):
     "pyddp", then "flat" with --compare-flat, then "gloo" with --compare-gloo),
     stream_gbps (one TCP stream's GB/s; 0.0 without --tcp-stream), stream_peer and
     loadavg (rank 0's host's 1-minute load average as the rows start)."""
-    from pyddp import _C
     return {"world": world, "hosts": hosts, "dtype": args.datatype, "op": args.op,
             "rounds": args.rounds, "host": socket.gethostname(), "cpus": os.cpu_count(),
-            "shm": "off" if os.environ.get("PYDDP_SHM_DISABLE") == "1" else "on",
-            "nsocks": os.environ.get("PYDDP_NSOCKS_PERPEER") or "1",
+            "shm": "off" if _C.setting("PYDDP_SHM_DISABLE") else "on",
+            "nsocks": _C.setting_text("PYDDP_NSOCKS_PERPEER") or "1",
             "algo": _C.setting("PYDDP_ALGO") or "auto",
             "hier_min_bytes": _C.setting("PYDDP_HIER_MIN_BYTES"),
             "backends": list(backends), "stream_gbps": stream, "stream_peer": args.stream_peer,

@@ -6,15 +6,20 @@ is sent, hands contiguous buffers to the backend's process group, and either wai
 (``async_op=False``, returns None) or returns a :class:`Work` handle. Results are
 written in place into the caller's arrays, also for torch tensors that require grad
 and for non-contiguous arrays (which are staged through a contiguous copy).
+
+A blocking all_reduce, broadcast, reduce or barrier of a contiguous host buffer takes
+the lean path (``_lean``); everything else submits through ``_C.ProcessGroup.submit``
+and gets a :class:`Work` (``_work``). monitored_barrier is ``_monitored_barrier``'s.
 """
 import enum
 import functools
-import threading
 
-from . import _C, _forensics
+from . import _C, _lean
 from . import _arrays as A
 from ._group import _resolve, timeout_ms
+from ._monitored_barrier import monitored_barrier  # noqa: F401 - part of this API
 from ._nccl_backend import caller_stream
+from ._work import Joined as _Joined, Work
 
 
 class ReduceOp(enum.IntEnum):
@@ -47,90 +52,10 @@ def _rank_arg(g, r, name):
     return g.group_rank(r, name)
 
 
-class Work:
-    """Handle of an asynchronous collective (``async_op=True``).
-
-    ``wait(timeout=None)`` blocks until it finishes (the GIL is released; Ctrl-C aborts
-    the group), raises its error if it failed, then finishes any copy-out; it returns
-    True. ``is_completed()`` never blocks. Keep the handle until it completed: a
-    handle dropped earlier waits for its collective when it is garbage-collected (the
-    arrays it writes must stay alive until then).
-    """
-
-    def __init__(self, work, post=None, group=None):
-        self._work = work
-        self._post = post
-        self._done = False
-        self._lock = None if post is None else threading.Lock()
-        self._group = group
-
-    def _copy_out(self):
-        """Run the copy-out once, whichever thread gets here first; a second thread
-        returns only after it finished (the check is under the lock for that)."""
-        if self._lock is None:
-            return
-        with self._lock:
-            post, self._post = self._post, None
-            if post is not None:
-                post()
-
-    def wait(self, timeout=None):
-        if not self._done:
-            ms = -1 if timeout is None else int(_seconds(timeout) * 1000)
-            try:
-                self._work.wait(ms)
-            except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
-                # A failed collective (not this wait's own timeout): if a peer's timeout
-                # caused it, say who had not arrived and where they are.
-                extra = _forensics.explain(self._group, e) \
-                    if self._group is not None and self._work.is_completed() else None
-                if extra:
-                    raise type(e)(f"{e}\n{extra}") from None
-                raise
-            self._copy_out()
-            self._done = True
-        return True
-
-    def add_done_callback(self, fn):
-        """Call fn(work) once, when the collective finished and its results are in the
-        caller's arrays, from pyddp's completion thread (holding the GIL), or at once
-        if it already finished. In fn, ``work.exception()`` is None or the error."""
-        def done(_w):
-            if _w.exception() is None:
-                try:
-                    self._copy_out()
-                except Exception as e:  # noqa: BLE001 - surfaced through fn's work
-                    self._post_error = e
-            fn(self)
-        self._work.add_done_callback(done)
-
-    def is_completed(self):
-        """True once the collective finished and its results are in the caller's arrays
-        (the copy-out of list outputs and staged arrays runs here, so a True answer
-        never shows stale data). Never blocks; an error is raised by wait()."""
-        if self._done:
-            return True
-        if not self._work.is_completed():
-            return False
-        try:
-            self.wait()
-        except Exception:  # noqa: BLE001 - reported by wait()/exception(), not here
-            pass
-        return True
-
-    def is_success(self):
-        return self.is_completed() and self._work.exception() is None
-
-    def exception(self):
-        return getattr(self, "_post_error", None) or self._work.exception()
-
-
-
-def _seconds(t):
-    return t.total_seconds() if hasattr(t, "total_seconds") else float(t)
-
-
 def _run(g, kind, a=None, b=None, op=0, root=0, async_op=False, post=None, what=None):
+    """Submit one collective of kind on group g's process group (a, b: its buffers as
+    the core takes them; root a group rank; post the copy-out after it), and return
+    its Work (async_op) or wait for it and return None."""
     pg = g.pg(what or "a collective")
     stream = caller_stream(a if a is not None else b)
     w = Work(pg.submit(kind, a, b, op, root, timeout_ms(g), stream), post, g)
@@ -138,51 +63,6 @@ def _run(g, kind, a=None, b=None, op=0, root=0, async_op=False, post=None, what=
         return w
     w.wait()
     return None
-
-
-# ---- the lean path -------------------------------------------------------------
-# A blocking all_reduce/broadcast/reduce/barrier of a contiguous NumPy array or CPU
-# torch tensor skips Staged and Work: one C call (ProcessGroup.run) submits through
-# the same queue and waits through the same loop as Work.wait, so ordering, headers,
-# timeouts, Ctrl-C and the flight record are those of the general path. torch tensors
-# go as (data_ptr, numel, dtype code): no DLPack capsule per call. Anything else (GPU
-# arrays, non-contiguous or unusual arrays, other process-group types) takes _run.
-
-_ndarray = A.np.ndarray
-_PG = _C.ProcessGroup
-_DT = {A.np.dtype(n): getattr(_C, "DT_" + n.upper()) for n in
-       ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
-_torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
-
-
-def _lean(g, kind, x, op, root, what):
-    """Run a blocking single-buffer collective on x through ProcessGroup.run; False
-    if x needs the general path (nothing was sent then)."""
-    pg = g._pg
-    if pg is None or type(pg) is not _PG:
-        return False
-    tp = type(x)
-    try:
-        if tp is _ndarray:
-            if not x.flags.c_contiguous or x.dtype not in _DT:
-                return False
-            r = pg.run(kind, x, op, root, timeout_ms(g))
-        elif x is None:
-            r = pg.run(kind, None, op, root, timeout_ms(g))
-        else:
-            code = _torch_cpu_code(x)
-            n = x.numel() if code is not None else 0
-            if not n:
-                return False
-            r = pg.run(kind, x.data_ptr(), op, root, timeout_ms(g), n, code)
-    except (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError) as e:
-        # The collective failed (the wait itself has no timeout): as Work.wait does,
-        # say who had not arrived if a peer's timeout caused it.
-        extra = _forensics.explain(g, e)
-        if extra:
-            raise type(e)(f"{e}\n{extra}") from None
-        raise
-    return r is None
 
 
 def _finisher(*staged):
@@ -196,7 +76,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce tensor across all ranks in place; every rank gets the result."""
     g = _resolve(group)
     opc = op if type(op) is ReduceOp else _op(op)
-    if not async_op and _lean(g, _C.COLL_ALLREDUCE, tensor, opc, 0, "all_reduce"):
+    if not async_op and _lean.run(g, _C.COLL_ALLREDUCE, tensor, opc, 0):
         return None
     s = A.Staged(tensor)
     return _run(g, _C.COLL_ALLREDUCE, s.array, None, opc, 0, async_op, _finisher(s),
@@ -207,7 +87,7 @@ def broadcast(tensor, src=0, group=None, async_op=False):
     """Copy src's tensor into every rank's tensor."""
     g = _resolve(group)
     src = _rank_arg(g, src, "src")
-    if not async_op and _lean(g, _C.COLL_BROADCAST, tensor, 0, src, "broadcast"):
+    if not async_op and _lean.run(g, _C.COLL_BROADCAST, tensor, 0, src):
         return None
     s = A.Staged(tensor)
     return _run(g, _C.COLL_BROADCAST, s.array, None, 0, src, async_op, _finisher(s),
@@ -219,7 +99,7 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False):
     g = _resolve(group)
     dst = _rank_arg(g, dst, "dst")
     opc = _op(op)
-    if not async_op and _lean(g, _C.COLL_REDUCE, tensor, opc, dst, "reduce"):
+    if not async_op and _lean.run(g, _C.COLL_REDUCE, tensor, opc, dst):
         return None
     s = A.Staged(tensor)
     return _run(g, _C.COLL_REDUCE, s.array, None, opc, dst, async_op, _finisher(s), "reduce")
@@ -338,7 +218,7 @@ def irecv(tensor, src=None, group=None, tag=0):
 def barrier(group=None, async_op=False, device_ids=None):
     """Block until every rank of group reached the barrier."""
     g = _resolve(group)
-    if not async_op and _lean(g, _C.COLL_BARRIER, None, 0, 0, "barrier"):
+    if not async_op and _lean.run(g, _C.COLL_BARRIER, None, 0, 0):
         return None
     return _run(g, _C.COLL_BARRIER, None, None, 0, 0, async_op, None, "barrier")
 
@@ -366,43 +246,6 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
         return w
     w.wait()
     return None
-
-
-class _Joined(Work):
-    """One handle over several works (coalesced calls)."""
-
-    def __init__(self, works):  # noqa: D107 - no C work of its own
-        self._works = works
-        self._done = False
-
-    def wait(self, timeout=None):
-        for w in self._works:
-            w.wait(timeout)
-        self._done = True
-        return True
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self._works)
-
-    def exception(self):
-        for w in self._works:
-            e = w.exception()
-            if e is not None:
-                return e
-        return None
-
-    def add_done_callback(self, fn):
-        left = [len(self._works)]
-        lock = threading.Lock()
-
-        def one(_w):
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                fn(self)
-        for w in self._works:
-            w.add_done_callback(one)
 
 
 def _split_sizes(splits, n_rows, ws, what):
@@ -535,59 +378,3 @@ def batch_isend_irecv(p2p_op_list):
     w = Work(pg.p2p_batch(ops, timeout_ms(g), caller_stream(ops[0][1])),
              _finisher(*[s for s, p in zip(staged, p2p_op_list) if not p.is_send]), g)
     return [w]
-
-
-def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
-    """A barrier that names the ranks that did not arrive: group rank 0 waits up to
-    timeout (default: the group's) for every other rank, and raises DistTimeoutError
-    naming the first missing rank (or all of them with wait_all_ranks=True); the other
-    ranks then raise the same error. Runs through the store, so it works even when the
-    group's connections are in trouble."""
-    g = _resolve(group)
-    g.pg("monitored_barrier")
-    tmo = g._timeout_s if timeout is None else _seconds(timeout)
-    n = g._mb
-    g._mb += 1
-    base = f"{g._prefix}/mb/{n}"
-    st = g._store
-    from datetime import timedelta
-    if g.rank != 0:
-        st.set(f"{base}/arrived/{g.rank}", b"1")
-        try:
-            st.wait([f"{base}/verdict"], timedelta(seconds=tmo + 10))
-        except _C.DistError as e:
-            raise _C.DistTimeoutError(f"monitored_barrier: rank {g.ranks[g.rank]} did not hear "
-                                      f"from rank {g.ranks[0]} (group rank 0) within "
-                                      f"{tmo + 10:.0f} s: {e}") from None
-        verdict = st.get(f"{base}/verdict").decode()
-        if verdict != "ok":
-            raise _C.DistTimeoutError(verdict)
-        return None
-    missing, deadline = [], _now() + tmo
-    for r in range(1, g.size):
-        left = deadline - _now()
-        try:
-            if left <= 0:
-                if not st.check([f"{base}/arrived/{r}"]):
-                    raise _C.DistTimeoutError("late")
-            else:
-                st.wait([f"{base}/arrived/{r}"], timedelta(seconds=left))
-        except _C.DistError:
-            missing.append(g.ranks[r])
-            if not wait_all_ranks:
-                break
-    if missing:
-        which = (f"rank {missing[0]}" if not wait_all_ranks else
-                 f"ranks {missing}")
-        msg = (f"monitored_barrier: {which} (global) did not reach the barrier within "
-               f"{tmo:.1f} s on the group of ranks {g.ranks}. Check that rank for a crash, a "
-               f"hang, or a code path that skips this barrier.")
-        st.set(f"{base}/verdict", msg.encode())
-        raise _C.DistTimeoutError(msg)
-    st.set(f"{base}/verdict", b"ok")
-    return None
-
-
-def _now():
-    import time
-    return time.monotonic()

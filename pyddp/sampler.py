@@ -49,19 +49,21 @@ def _permutation(n, seed):
 def _from_process_group(what):
     """Return pyddp.get_world_size() or pyddp.get_rank() (`what` names which).
 
-    Mirrors torch, which asks torch.distributed for the values not passed; pyddp is
-    imported lazily so this module stays importable on its own. Raises RuntimeError
-    when the default process group is not initialized, saying how to fix it.
+    Mirrors torch, which asks torch.distributed for the values not passed. They come
+    from pyddp._group (not the package, which imports this module), imported lazily
+    and by absolute name so this module stays importable on its own. Raises
+    RuntimeError when the default process group is not initialized, saying how to fix
+    it.
     """
-    import pyddp
+    from pyddp import _group
 
-    if not pyddp.is_initialized():
+    if not _group.is_initialized():
         raise RuntimeError(
             f"DistributedSampler: {what} was not given and the default process group "
             "is not initialized; call pyddp.init_process_group(...) first, or pass "
             "num_replicas and rank explicitly"
         )
-    return getattr(pyddp, what)()
+    return getattr(_group, what)()
 
 
 def _as_int(value, name):

@@ -27,18 +27,17 @@ would issue op by op; pyddp runs the batch at once so that a ring exchange canno
 deadlock). Every other group reaches torch's original functions unchanged.
 """
 import functools
-import os
 import threading
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import _pyddp_torch_hook
-import pyddp
-from . import _env, _group
+from . import _C, _env, _group, _rendezvous, _world
 from . import collectives as C
+from ._errors import raise_as_torch
 from ._torch_pg import ProcessGroupPyddp
-from ._torch_work import PyddpWork, _Completion, _future_for, raise_as_torch
+from ._torch_work import PyddpWork, _Completion, future_for as _future_for
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
 
@@ -64,7 +63,7 @@ def _timeout_s(timeout):
     passes. torch always passes one (its 30-minute default when the script gives none,
     also under Lightning and Accelerate), so pyddp cannot tell a chosen timeout from
     the default; a variable set in the environment is the user's choice, and wins."""
-    if os.environ.get("PYDDP_TIMEOUT"):
+    if _C.setting_text("PYDDP_TIMEOUT"):
         return _env.timeout_seconds(None)
     return _env.timeout_seconds(timeout if timeout is not None and
                                 timeout.total_seconds() > 0 else None)
@@ -90,7 +89,7 @@ def _client(host, port, timeout_s):
         if entry is not None:
             entry[1] += 1
             return entry[0]
-    client = _group._connect_store(host, port, timeout_s)    # not under the lock
+    client = _rendezvous._connect_store(host, port, timeout_s)    # not under the lock
     with _State.lock:
         entry = _State.stores.setdefault(key, [client, 0])
         entry[1] += 1
@@ -120,9 +119,8 @@ def _pyddp_store(store, rank, timeout_s):
         host = base.host or "127.0.0.1"
         return _client(host, base.port, timeout_s), host
     if rank == 0:
-        addr = _group._primary_address() if not os.environ.get("PYDDP_SOCKET_IFNAME") \
-            else _env.advertise_address(None)
-        hosted = _group._hosted_store(("torch-backend",), addr, 0, timeout_s)
+        addr = _rendezvous._host_address()
+        hosted = _rendezvous._hosted_store(("torch-backend",), addr, 0, timeout_s)
         store.set(_STORE_KEY, f"{addr}:{hosted.port}")
         return hosted, addr
     host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
@@ -138,7 +136,7 @@ def _options_backend(pg_options):
     be = pg_options.get("backend") if isinstance(pg_options, dict) else \
         getattr(pg_options, "backend", None)
     if be not in (None, "cpu", "nccl"):
-        raise pyddp.DistValueError(f"pg_options backend={be!r}: use 'cpu', 'nccl' or None")
+        raise _C.DistValueError(f"pg_options backend={be!r}: use 'cpu', 'nccl' or None")
     return be
 
 
@@ -175,7 +173,7 @@ def create_process_group(opts, pg_options=None):
                 _State.generation += 1
             store, host = _pyddp_store(opts.store, rank, timeout_s)
             try:
-                handle = _group.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
+                handle = _world.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
                                              backend=backend, master_addr=host)
             except BaseException:
                 _release(store)

@@ -189,7 +189,7 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
     for r in results:
         assert r.returncode == 0 and "PASS" in r.stdout, r.output
         assert "without PYDDP_AUTH_TOKEN" not in r.stderr   # one host: no warning
-    from pyddp import _group
+    from pyddp import _world
 
     class FakePG:
         size = 2
@@ -203,24 +203,24 @@ def test_no_token_runs_and_multi_host_warning(monkeypatch):
         def pg(self):
             return FakePG()
 
-    monkeypatch.setattr(_group, "_auth_warned", False)
+    monkeypatch.setattr(_world, "_auth_warned", False)
     monkeypatch.delenv("PYDDP_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("PYDDP_AUTH_TOKEN_FILE", raising=False)
     records = []
     handler = type("H", (__import__("logging").Handler,),
                    {"emit": lambda self, rec: records.append(rec.getMessage())})()
-    _group.log.addHandler(handler)
+    _world.log.addHandler(handler)
     try:
-        _group._warn_unauthenticated(FakeGroup())
+        _world._warn_unauthenticated(FakeGroup())
         assert len(records) == 1 and "spans 2 hosts" in records[0]
-        _group._warn_unauthenticated(FakeGroup())      # once per process
+        _world._warn_unauthenticated(FakeGroup())      # once per process
         assert len(records) == 1
-        monkeypatch.setattr(_group, "_auth_warned", False)
+        monkeypatch.setattr(_world, "_auth_warned", False)
         monkeypatch.setenv("PYDDP_AUTH_TOKEN", "")     # deliberately empty: silenced
-        _group._warn_unauthenticated(FakeGroup())
+        _world._warn_unauthenticated(FakeGroup())
         assert len(records) == 1
     finally:
-        _group.log.removeHandler(handler)
+        _world.log.removeHandler(handler)
 
 
 def _validated(port):

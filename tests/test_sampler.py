@@ -222,10 +222,12 @@ def test_emptied_dataset_raises_clearly():
 
 
 def _fake_pyddp(initialized, world=3, rank=2):
+    """A stand-in pyddp package whose _group module answers the sampler's questions."""
     mod = types.ModuleType("pyddp")
-    mod.is_initialized = lambda: initialized
-    mod.get_world_size = lambda: world
-    mod.get_rank = lambda: rank
+    mod._group = types.ModuleType("pyddp._group")
+    mod._group.is_initialized = lambda: initialized
+    mod._group.get_world_size = lambda: world
+    mod._group.get_rank = lambda: rank
     return mod
 
 

@@ -157,15 +157,16 @@ void ddp_comm_progress(ddp_comm *c, uint64_t *submitted, uint64_t *completed,
 int ddp_comm_pending(ddp_comm *c);
 /* When a collective of any group of c times out, before the communicator
  * breaks, its worker announces it in the store s (retained) under prefix:
- * ADD "<prefix>/stuck_n" 1 -> i, then SET "<prefix>/stuck/<i>" to
- * "rank=R;tag=T;seq=K;what=DESCRIPTION" (R: world rank, T: the group's tag in
- * hex, K: the collective's number on that group), each bounded by 2 s; the
- * keys are user keys as TCPStore clients spell them (a leading '/'). So
- * the other ranks can tell a peer's timeout from a crash and gather reports
- * about who did not arrive. Any other first failure of the communicator is
- * kept there too, once per world: whoever ADDs "<prefix>/broken_n" to 1 sets
- * "<prefix>/broken" to "rank=R;what=MESSAGE" (after breaking its links, so
- * peers still fail at once). Call once, before work is queued. */
+ * ADD "<prefix>/stuck_n" 1 -> i, then SET "<prefix>/stuck/<i>" to a STUCK
+ * record, "rank=R;tag=T;seq=K;what=DESCRIPTION" (R: world rank, T: the
+ * group's tag in hex, K: the collective's number on that group), each bounded
+ * by 2 s; the keys are user keys as TCPStore clients spell them (a leading
+ * '/'). So the other ranks can tell a peer's timeout from a crash and gather
+ * reports about who did not arrive. Any other failure of the communicator is
+ * kept there too, before its links close: "<prefix>/broken/<R>" is a BROKEN
+ * record, "rank=R;what=MESSAGE", and whoever ADDs "<prefix>/broken_n" to 1
+ * sets "<prefix>/broken" to the same. Keys and records are declared in
+ * ddp_forensics.h. Call once, before work is queued. */
 void ddp_comm_set_stall_store(ddp_comm *c, ddp_store *s, const char *prefix);
 
 /* Break the communicator now (thread-safe). */

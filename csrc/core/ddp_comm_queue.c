@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "ddp_comm_internal.h"
+#include "ddp_forensics.h"
 
 /* Hand-off spins. A small collective on shared memory takes a few microseconds,
  * while a futex wake-up of a parked thread costs about as much again on each side
@@ -172,8 +173,8 @@ static void run_done(ddp_comm *c, const comm_run *r, ddp_status st) {
 
 /* This rank's failure, kept in the stall store so that a rank that only saw
  * a peer close its connection can say what really went wrong, and where:
- * "/<prefix>/broken/<rank>" = "rank=R;what=MESSAGE" for every failing rank
- * (pyddp/_forensics.py follows who lost whom from there), and
+ * "/<prefix>/broken/<rank>" holds a BROKEN record (ddp_forensics.h) for every
+ * failing rank (pyddp/_forensics.py follows who lost whom from there), and
  * "/<prefix>/broken" the same for the first, set by whoever ADDs
  * "/<prefix>/broken_n" to 1 first. Called before the links are shut down, so
  * that a peer that fails because this rank closed its end finds the record
@@ -185,25 +186,26 @@ static void failure_announce(ddp_comm *c, const char *what) {
     char key[600], val[1600];
     int64_t i = 0;
     ddp_wait wt = ddp_wait_for(ANNOUNCE_MS, NULL);
-    snprintf(val, sizeof val, "rank=%d;what=%s", c->rank, what);
-    snprintf(key, sizeof key, "/%s/broken/%d", c->stall_prefix, c->rank);
+    snprintf(val, sizeof val, DDP_FX_BROKEN_FORMAT, c->rank, what);
+    snprintf(key, sizeof key, "/%s/" DDP_FX_BROKEN "/%d", c->stall_prefix, c->rank);
     if (ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), wt) != DDP_OK)
         return;
-    snprintf(key, sizeof key, "/%s/broken_n", c->stall_prefix);
+    snprintf(key, sizeof key, "/%s/" DDP_FX_BROKEN_N, c->stall_prefix);
     if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, wt) != DDP_OK || i != 1)
         return;
-    snprintf(key, sizeof key, "/%s/broken", c->stall_prefix);
+    snprintf(key, sizeof key, "/%s/" DDP_FX_BROKEN, c->stall_prefix);
     ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), wt);
 }
 
-/* Announce a timeout of r in the stall store (see ddp_comm_set_stall_store).
- * Best effort, bounded: a store that is gone only loses the announcement. */
+/* Announce a timeout of r in the stall store (see ddp_comm_set_stall_store):
+ * a STUCK record (ddp_forensics.h) under the next incident number. Best
+ * effort, bounded: a store that is gone only loses the announcement. */
 static void stall_announce(ddp_comm *c, const comm_run *r, const char *what) {
     if (c->stall_store == NULL) return;
     char key[600], val[1200];
     int64_t i = 0;
     /* user keys, as the Python TCPStore (and torch's) spell them: with a leading '/' */
-    snprintf(key, sizeof key, "/%s/stuck_n", c->stall_prefix);
+    snprintf(key, sizeof key, "/%s/" DDP_FX_STUCK_N, c->stall_prefix);
     if (ddp_store_add(c->stall_store, key, strlen(key), 1, &i, ddp_wait_for(2000, NULL)) != DDP_OK)
         return;
     pthread_mutex_lock(&c->mu);
@@ -211,9 +213,9 @@ static void stall_announce(ddp_comm *c, const comm_run *r, const char *what) {
     ddp_flight_get(&c->flight, r->flight_id, &e);
     pthread_mutex_unlock(&c->mu);
     uint64_t seq = e.seq;
-    snprintf(val, sizeof val, "rank=%d;tag=%016llx;seq=%llu;what=%s", c->rank,
+    snprintf(val, sizeof val, DDP_FX_STUCK_FORMAT, c->rank,
              (unsigned long long)r->comm->group.tag, (unsigned long long)seq, what);
-    snprintf(key, sizeof key, "/%s/stuck/%lld", c->stall_prefix, (long long)i);
+    snprintf(key, sizeof key, "/%s/" DDP_FX_STUCK "/%lld", c->stall_prefix, (long long)i);
     ddp_store_set(c->stall_store, key, strlen(key), val, strlen(val), ddp_wait_for(2000, NULL));
 }
 

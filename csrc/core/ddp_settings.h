@@ -5,9 +5,11 @@
  * once in ddp_settings.c with its kind, default, bounds and the one-line doc
  * that docs/env.md shows (tests/c/test_settings.c checks that the page
  * matches the table). The C core reads its settings only through the
- * accessors here; Python lists the table (ddp_settings_table) and parses its
- * own few (PYDDP_TIMEOUT, PYDDP_PORT_RANGE, ...) itself, raising
- * DistValueError on bad values, since they are checked before anything runs.
+ * accessors here; Python lists the table (ddp_settings_table), reads the
+ * core's values through them (_C.setting) and parses its own few
+ * (PYDDP_TIMEOUT, PYDDP_PORT_RANGE, ...) itself from their text
+ * (_C.setting_text, declared names only), raising DistValueError on bad
+ * values, since they are checked before anything runs.
  *
  * Policy of the accessors (what the core does with a bad value: it never
  * fails a job over a tuning knob, and never ignores one silently):

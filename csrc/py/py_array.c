@@ -1,9 +1,11 @@
 /* py_array.c - the one place that turns a Python array object into a raw
  * buffer for the core (contract in py_array.h).
  *
- * Paths, tried in order: NumPy arrays through the NumPy C API; objects with
- * __dlpack__ (torch, CuPy, JAX), asking for a versioned capsule first;
- * objects with __cuda_array_interface__; finally the buffer protocol.
+ * Paths, tried in order: an (owner, address, count, dtype) tuple naming host
+ * memory by address (a CPU torch tensor's data_ptr(), no capsule made); NumPy
+ * arrays through the NumPy C API; objects with __dlpack__ (torch, CuPy,
+ * JAX), asking for a versioned capsule first; objects with
+ * __cuda_array_interface__; finally the buffer protocol.
  * Every path checks dtype, C-contiguity and writability the same way, so an
  * array is accepted or rejected alike whatever library it comes from.
  */
@@ -59,6 +61,30 @@ static int read_only(const char *argname) {
                   "into it", argname);
     ddp_py_raise(DDP_ERR_INVALID, msg);
     return -1;
+}
+
+/* ---- host memory by address ------------------------------------------- */
+
+/* (owner, address, count, dtype code): `count` elements of dtype code (DT_*)
+ * at `address` in this process's memory, which `owner` keeps alive and
+ * unchanged in size while it is referenced (the tuple, and so owner, is held
+ * until ddp_py_array_release). The caller vouches for the address: this is
+ * the form of pyddp's own Python layer, not of user code. */
+static int from_address(PyObject *t, ddp_py_array *out) {
+    void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(t, 1));
+    long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 2));
+    long dt = PyLong_AsLong(PyTuple_GET_ITEM(t, 3));
+    if (PyErr_Occurred()) return -1;
+    if (count < 0 || dt < 0 || dt >= DDP_DTYPE_COUNT || (ptr == NULL && count > 0)) {
+        ddp_py_raise(DDP_ERR_INVALID, "an (owner, address, count, dtype) buffer needs a "
+                     "count >= 0, a DT_* dtype code and a non-null address");
+        return -1;
+    }
+    out->ptr = ptr;
+    out->count = (size_t)count;
+    out->dtype = (ddp_dtype)dt;
+    out->device = DDP_DEV_CPU;
+    return 0;
 }
 
 /* ---- NumPy ---------------------------------------------------------- */
@@ -293,7 +319,9 @@ int ddp_py_array_import_stream(PyObject *obj, int writable, const char *argname,
                                PyObject *stream, ddp_py_array *out) {
     memset(out, 0, sizeof *out);
     int rc;
-    if (PyArray_Check(obj)) {
+    if (PyTuple_CheckExact(obj) && PyTuple_GET_SIZE(obj) == 4) {
+        rc = from_address(obj, out);
+    } else if (PyArray_Check(obj)) {
         rc = from_numpy((PyArrayObject *)obj, writable, argname, out);
     } else if (PyObject_HasAttrString(obj, "__dlpack__")) {
         rc = from_dlpack(obj, writable, argname, stream, out);

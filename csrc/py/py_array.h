@@ -30,8 +30,10 @@ typedef struct ddp_py_array {
     int has_view;
 } ddp_py_array;
 
-/* Fill *out from obj. writable: the operation writes into the array (read-only
- * arrays are rejected). argname names the argument in messages. Rejects, with
+/* Fill *out from obj. obj may also be an (owner, address, count, dtype code)
+ * tuple: host memory by address, kept alive by owner (pyddp's own layer passes
+ * CPU torch tensors so, without a DLPack capsule). writable: the operation
+ * writes into the array (read-only arrays are rejected). argname names the argument in messages. Rejects, with
  * DistTypeError/DistValueError and nothing held: lists and scalars, object or
  * other unsupported dtypes, non-contiguous layouts. Returns 0 or -1. */
 int ddp_py_array_import(PyObject *obj, int writable, const char *argname,

@@ -1,9 +1,15 @@
 /* py_settings.c - the settings table (csrc/core/ddp_settings.h) seen from
- * Python: pyddp._C.settings() lists every declared PYDDP_* variable, and
+ * Python: pyddp._C.settings() lists every declared PYDDP_* variable,
  * pyddp._C.setting(name) reads one through the core's parse-once accessors,
- * so Python and C read a variable the same way.
+ * so Python and C read a variable the same way, and pyddp._C.setting_text(name)
+ * gives a declared variable's text as the environment holds it at the call,
+ * for the few settings Python parses itself, at each use (with an error
+ * naming the variable when the value is bad). No PYDDP_* variable is read
+ * any other way.
  */
 #include "py_common.h"
+
+#include <stdlib.h>
 
 #include "ddp_settings.h"
 
@@ -59,11 +65,24 @@ static PyObject *py_setting(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_setting_text(PyObject *m, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    if (ddp_setting_find(name) == NULL)
+        return PyErr_Format(PyExc_KeyError, "%s is not a pyddp setting", name);
+    const char *v = getenv(name);
+    if (v == NULL) Py_RETURN_NONE;
+    return PyUnicode_DecodeFSDefault(v);
+}
+
 static PyMethodDef methods[] = {
     {"settings", py_settings, METH_NOARGS,
      "settings() -> [dict]: every PYDDP_* setting (name, kind, default, bounds, doc, scope)"},
     {"setting", py_setting, METH_O,
      "setting(name) -> its value as the core parses it (None: unset string)"},
+    {"setting_text", py_setting_text, METH_O,
+     "setting_text(name) -> the declared variable's text in the environment now, '' if "
+     "set empty, None if unset (for the settings Python parses itself)"},
     {NULL}
 };
 

@@ -90,7 +90,7 @@ def sc_bad_arrays(rank, ws):
 
 
 def sc_version(rank, ws):
-    import pyddp._group as g
+    import pyddp._world as g
     if rank == 1:
         g.__version__ = "0.0.1-other"
     cls, msg, dt = expect_error(lambda: dist.init_process_group("cpu"))

@@ -111,7 +111,8 @@ def run_errors(rank, ws):
     gc.collect()
     alive = sorted({type(o).__name__ for o in gc.get_objects()
                     if type(o).__module__.startswith("pyddp")
-                    and type(o).__name__ in ("Work", "PyddpWork", "_Completion", "Group")})
+                    and type(o).__name__ in ("Work", "PyddpWork", "_Completion", "_One",
+                                             "Group")})
     say(f"ERRCASE repeated rank={rank} type=CollectiveMismatchError missed={missed} "
         f"alive={','.join(alive) or 'none'}")
     # 3. a peer dies: the survivor fails fast, with a DistError

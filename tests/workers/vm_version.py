@@ -10,10 +10,11 @@ import pyddp as dist  # noqa: E402
 
 
 def main():
-    import pyddp._group as g
+    import pyddp._group
+    import pyddp._world
     rank = int(os.environ["RANK"])
-    if rank == 1:
-        g.__version__ = "0.0.1-other"
+    if rank == 1:       # the version the rendezvous (_world) and NCCL's set-up (_group) send
+        pyddp._world.__version__ = pyddp._group.__version__ = "0.0.1-other"
     cls, msg, _ = expect_error(lambda: dist.init_process_group("nccl"))
     report(rank=rank, cls=cls.__name__ if cls else None, msg=msg)
 

@@ -1,0 +1,54 @@
+"""The lean call path: a blocking single-buffer collective (all_reduce, broadcast, reduce,
+barrier) of host memory in one C call, without ``Staged``, a Python ``Work`` or a
+``_C.Work``.
+
+``ProcessGroup.run`` (py_pg.c) submits through the same queue and waits through the
+same loop as ``Work.wait`` (a small one runs inline on the calling thread when nothing
+is queued), so ordering, headers, timeouts, Ctrl-C and the flight record are those of
+the general path. It takes a C-contiguous NumPy array of a native dtype, or a
+contiguous CPU torch tensor as (data_ptr, numel, dtype code): no DLPack capsule per call
+(``_arrays.torch_cpu_code``, the one test for such a tensor; torch is recognised by
+name, never imported). Anything else (GPU arrays, non-contiguous or unusual arrays,
+other process-group types) is left to the general path.
+"""
+import numpy as np
+
+from . import _C
+from . import _arrays as A
+from ._errors import COLLECTIVE_FAILURES, raise_explained
+
+_ndarray = np.ndarray
+_PG = _C.ProcessGroup
+_DT = {np.dtype(n): getattr(_C, "DT_" + n.upper()) for n in
+       ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
+_torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
+
+
+def run(g, kind, x, op, root):
+    """Run a blocking single-buffer collective of kind (COLL_*) on x through group g's
+    ProcessGroup.run and return True; False, with nothing sent, when x needs the
+    general path. root is a group rank. A failure raises pyddp's error with the
+    straggler report (``_errors.raise_explained``)."""
+    pg = g._pg
+    if pg is None or type(pg) is not _PG:
+        return False
+    timeout_ms = int(g._timeout_s * 1000)
+    tp = type(x)
+    try:
+        if tp is _ndarray:
+            if not x.flags.c_contiguous or x.dtype not in _DT:
+                return False
+            r = pg.run(kind, x, op, root, timeout_ms)
+        elif x is None:
+            r = pg.run(kind, None, op, root, timeout_ms)
+        else:
+            code = _torch_cpu_code(x)
+            n = x.numel() if code is not None else 0
+            if not n:
+                return False
+            r = pg.run(kind, x.data_ptr(), op, root, timeout_ms, n, code)
+    except COLLECTIVE_FAILURES as e:
+        # The collective failed (the wait itself has no timeout): as Work.wait does,
+        # say who had not arrived if a peer's timeout caused it.
+        raise_explained(g, e)
+    return r is None

@@ -1,0 +1,169 @@
+"""World groups: init_process_group and destroy_process_group (the default group), and
+create_world (the world groups of torch's "pyddp" backend).
+
+init_process_group resolves the rendezvous (``_env``), connects to or hosts the store
+(``_rendezvous``), then builds the backend's process group through the C core, which
+publishes this rank's address under pyddp's own key prefix
+``/pyddp/<run id>/<restart count>/<generation>`` and connects to every peer. The prefix
+makes a torchrun restart (whose agent store still holds the previous attempt's keys)
+and a second init in the same process start clean, and keeps pyddp out of the way of
+torch code using the same store. Every world group of more than one rank gets a
+straggler watcher (``_forensics.Watcher``).
+"""
+import logging
+import os
+
+from . import _C, _env, _exit, _forensics
+from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
+    _resolve, dump_flight_record
+from ._rendezvous import _is_hosted, _linger_after_failure, _make_store, _td
+from ._version import __version__
+from .store import TCPStore
+
+log = logging.getLogger("pyddp")
+
+
+def create_world(store, rank, world_size, timeout_s, name, backend=None, master_addr=None):
+    """A standalone world group over store (a pyddp TCPStore), not the default group:
+    collective over its world_size ranks, keys under
+    ``/pyddp/<run id>/<restart count>/torch/<name>``. For torch's "pyddp" backend.
+    master_addr: the store's host, so that this rank advertises the local address that
+    routes to it (as init_process_group does with MASTER_ADDR), not loopback."""
+    be = None if backend is None else _pick_backend(backend)
+    run_id, restart = _env.elastic_attempt()
+    prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
+    g = _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    _warn_unauthenticated(g)
+    return g
+
+
+def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
+                torch_rendezvous=False):
+    """Rendezvous a world Group (collective); backend "nccl" attaches NCCL at once.
+    torch_rendezvous: the group is torch's "pyddp" backend's (see _forensics.Watcher)."""
+    lo, hi = _env.port_range()
+    advertise = _env.advertise_address(master_addr)
+    pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
+                         int(timeout_s * 1000), __version__, _env.host_identity())
+    g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+    _exit.track(g)           # pending work at exit gets PYDDP_EXIT_WAIT, then an abort
+    g._advertise = advertise
+    g._by_route = not _env.socket_ifname() and bool(master_addr)
+    if world_size > 1:
+        try:
+            g._watcher = _forensics.Watcher(g, torch_rendezvous)
+        except _C.DistError as e:      # forensics are best effort; training is not
+            log.warning("pyddp: rank %d: no straggler watcher (%s)", rank, e)
+    _forensics.install_signal_dump(dump_flight_record)
+    if backend == "nccl":
+        try:
+            g._attach_nccl()
+        except BaseException:
+            g._destroy()
+            raise
+    return g
+
+
+def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                       store=None, group_name="", pg_options=None, device_id=None):
+    """Initialize the default process group (torch.distributed's signature).
+
+    backend: "cpu" (pyddp's TCP/shared-memory transport; "gloo" is an alias; GPU arrays
+    are refused), "nccl" (NCCL set up at init, for GPU arrays; host arrays still use the
+    CPU transport), or None (like "cpu:gloo,cuda:nccl": host arrays on the CPU
+    transport, GPU arrays on NCCL, set up on first use). init_method: "env://"
+    (default, torchrun's variables), "tcp://host:port" or "file:///path". store: a
+    pyddp.TCPStore to rendezvous through instead (then rank and world_size are
+    required). timeout: a timedelta bounding every wait (default PYDDP_TIMEOUT or 30 min).
+    """
+    if _State.pg is not None:
+        raise _C.DistError("the default process group is already initialized; call "
+                           "destroy_process_group() first")
+    be = _pick_backend(backend)
+    timeout_s = _env.timeout_seconds(timeout)
+    if store is not None:
+        if init_method is not None:
+            raise _C.DistValueError("pass either init_method or store, not both")
+        if rank is None or rank < 0 or world_size is None or world_size < 1:
+            raise _C.DistValueError("init_process_group(store=...) needs rank= and world_size=")
+        _env._check_rank(rank, world_size)
+        if not isinstance(store, TCPStore):
+            raise _C.DistTypeError(f"store must be a pyddp.TCPStore, not {type(store).__name__}")
+        rdzv = _env.Rendezvous(rank, world_size, "store", store.host, store.port, None, True,
+                               *_env.elastic_attempt())
+    else:
+        rdzv = _env.resolve(init_method, rank, world_size)
+    _State.rank = rdzv.rank
+    own_store = store is None
+    if own_store:
+        store = _make_store(rdzv, timeout_s)
+    else:
+        store.set_timeout(_td(timeout_s))
+    prefix = f"/pyddp/{rdzv.run_id}/{rdzv.restart_count}/{_State.generation}"
+    _State.generation += 1   # per attempt: every rank makes the same attempts
+    try:
+        _State.device_id = device_id
+        pg = _make_group(store, rdzv.rank, rdzv.world_size, prefix, timeout_s, be,
+                         rdzv.master_addr or None)
+    except BaseException as e:
+        _State.rank = -1
+        if not isinstance(e, KeyboardInterrupt):
+            _linger_after_failure(store, prefix, rdzv.world_size, timeout_s)
+        if own_store and not _is_hosted(store):
+            store.close()
+        raise
+    _State.pg, _State.store = pg, store
+    pg.backend_name = _asked_name(backend)
+    _State.backend = pg.backend_name or be or _auto_backend_name()
+    _State.groups_made = 0
+    _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
+    _State.own_store = own_store
+    _warn_unauthenticated(pg)
+    log.debug("pyddp: rank %d/%d initialized (%s backend, prefix %s)", rdzv.rank,
+              rdzv.world_size, _State.backend, prefix)
+
+
+_auth_warned = False
+
+
+def _warn_unauthenticated(g):
+    """One line, once per process, on world rank 0, when a job spans hosts without
+    PYDDP_AUTH_TOKEN (an explicitly empty PYDDP_AUTH_TOKEN= silences it): anyone who
+    reaches its ports could join it. For pyddp's own init and torch's backend alike."""
+    global _auth_warned
+    if _auth_warned or _C.setting_text("PYDDP_AUTH_TOKEN") is not None or \
+            _C.setting_text("PYDDP_AUTH_TOKEN_FILE"):
+        return
+    pg = g.pg()
+    hosts = {pg.peer(r)[1] for r in range(pg.size)}
+    if len(hosts) > 1 and g._world_rank == 0:
+        _auth_warned = True
+        log.warning("pyddp: this job spans %d hosts without PYDDP_AUTH_TOKEN: any machine that "
+                    "can reach its ports can join it or send it data (see docs/security.md; "
+                    "set PYDDP_AUTH_TOKEN= empty to silence this)", len(hosts))
+
+
+def destroy_process_group(group=None):
+    """Tear down group (default: the default group, and with it every subgroup's
+    connections); init_process_group may be called again afterwards."""
+    if group is not None and group is not WORLD:
+        _resolve(group)._destroy()
+        return
+    pg, store = _State.pg, _State.store
+    if pg is None:
+        return
+    _State.pg = None
+    try:
+        pg._destroy()
+    finally:
+        if store is not None and _State.own_store and not _is_hosted(store):
+            store.close()
+        if _State.file_path:
+            try:
+                os.unlink(_State.file_path)
+            except OSError:
+                pass
+            _State.file_path = None
+        _State.store = None
+        _State.backend = None
+        _State.rank = _State.world_size = -1
