@@ -4,16 +4,18 @@ create_world (the world groups of torch's "pyddp" backend).
 init_process_group resolves the rendezvous (``_env``), connects to or hosts the store
 (``_rendezvous``), then builds the backend's process group through the C core, which
 publishes this rank's address under pyddp's own key prefix
-``/pyddp/<run id>/<restart count>/<generation>`` and connects to every peer. The prefix
-makes a torchrun restart (whose agent store still holds the previous attempt's keys)
-and a second init in the same process start clean, and keeps pyddp out of the way of
-torch code using the same store. Every world group of more than one rank gets a
+``/pyddp/<run id>/<generation>/<round>`` and connects to every peer. The round is
+agreed through the store (``_round``), so a torchrun restart or an elastic membership
+change (whose agent store still holds the previous round's keys, and whose nodes count
+restarts apart) and a second init in the same process start clean; the prefix keeps
+pyddp out of the way of torch code using the same store. Every world group of more than one rank gets a
 straggler watcher (``_forensics.Watcher``).
 """
 import logging
 import os
+import time
 
-from . import _C, _env, _exit, _forensics
+from . import _C, _env, _exit, _forensics, _round
 from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
     _resolve, dump_flight_record
 from ._rendezvous import _is_hosted, _linger_after_failure, _make_store, _td
@@ -26,15 +28,37 @@ log = logging.getLogger("pyddp")
 def create_world(store, rank, world_size, timeout_s, name, backend=None, master_addr=None):
     """A standalone world group over store (a pyddp TCPStore), not the default group:
     collective over its world_size ranks, keys under
-    ``/pyddp/<run id>/<restart count>/torch/<name>``. For torch's "pyddp" backend.
+    ``/pyddp/<run id>/torch/<name>/<round>`` (``_round``). For torch's "pyddp" backend.
     master_addr: the store's host, so that this rank advertises the local address that
     routes to it (as init_process_group does with MASTER_ADDR), not loopback."""
     be = None if backend is None else _pick_backend(backend)
-    run_id, restart = _env.elastic_attempt()
-    prefix = f"/pyddp/{run_id}/{restart}/torch/{name}"
+    run_id, _restart = _env.elastic_attempt()
+    base = f"/pyddp/{run_id}/torch/{name}"
+    prefix = f"{base}/{_round.agree(store, base, rank, world_size, timeout_s)}"
     g = _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
     _warn_unauthenticated(g)
     return g
+
+
+def _agree_round(store, rdzv, base, timeout_s, own_store):
+    """(store, prefix): this start's key prefix ``<base>/<round>`` (``_round``). A store
+    client whose server goes away before the round is agreed (an earlier round's rank 0
+    still exiting) reconnects to the address it was given and agrees again, until
+    timeout_s; a store this process hosts or was handed is used as it is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return store, f"{base}/{_round.agree(store, base, rdzv.rank, rdzv.world_size, timeout_s)}"
+        except _C.DistNetworkError as e:
+            left = deadline - time.monotonic()
+            if not own_store or _is_hosted(store) or rdzv.method == "file" or left <= 0:
+                raise
+            log.warning("pyddp: rank %d: the store at %s:%s went away during the "
+                        "rendezvous (%s); connecting again", rdzv.rank, rdzv.master_addr,
+                        rdzv.master_port, e)
+            store.close()
+            store = _make_store(rdzv, left)
+            store.set_timeout(_td(timeout_s))
 
 
 def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
@@ -99,15 +123,17 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         store = _make_store(rdzv, timeout_s)
     else:
         store.set_timeout(_td(timeout_s))
-    prefix = f"/pyddp/{rdzv.run_id}/{rdzv.restart_count}/{_State.generation}"
+    base = f"/pyddp/{rdzv.run_id}/{_State.generation}"
     _State.generation += 1   # per attempt: every rank makes the same attempts
+    prefix = None
     try:
+        store, prefix = _agree_round(store, rdzv, base, timeout_s, own_store)
         _State.device_id = device_id
         pg = _make_group(store, rdzv.rank, rdzv.world_size, prefix, timeout_s, be,
                          rdzv.master_addr or None)
     except BaseException as e:
         _State.rank = -1
-        if not isinstance(e, KeyboardInterrupt):
+        if prefix is not None and not isinstance(e, KeyboardInterrupt):
             _linger_after_failure(store, prefix, rdzv.world_size, timeout_s)
         if own_store and not _is_hosted(store):
             store.close()

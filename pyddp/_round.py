@@ -1,0 +1,101 @@
+"""The rendezvous round: one key prefix that every rank of one start of a world agrees
+on, whatever each node's restart count and whatever earlier rounds left in the store.
+
+Under torchrun's elastic agents a round is no number any worker can read: each node
+counts its own restarts (a node restarted because another joined counts none), and the
+agent's store keeps every earlier round's keys. So the ranks agree on a round through
+the store itself, under ``<base>`` (``/pyddp/<run id>/<generation>``):
+
+1. every rank draws a fresh nonce and writes it to ``<base>/hello/<rank>``;
+2. rank 0 reads the nonces of ranks 1..n-1 (waiting for each key to exist), names the
+   round ``R`` after its own nonce and an attempt number, and writes ``R`` to
+   ``<base>/round/<nonce of rank r>`` for every rank;
+3. rank r reads ``<base>/round/<its nonce>``, writes ``<base>/ack/<R>/<r>`` and waits
+   for ``<base>/go/<R>``;
+4. rank 0 sets ``go/<R>`` to ``go`` once every rank acknowledged. A nonce read in step 2
+   may be a dead process's from an earlier round (its successor has not started yet):
+   that rank never acknowledges, and when its ``hello`` key changes rank 0 names a new
+   round ``R'`` for the nonces it now sees, then sets ``go/<R>`` to ``void`` so that
+   the ranks that acknowledged ``R`` read their round key again.
+
+Only live processes of this start acknowledge, so the ranks that receive ``go`` all
+hold one round, and keys under ``<base>/<R>`` are never an earlier round's. On a store
+this start's rank 0 hosts (a fresh one) it costs four store round trips.
+"""
+import time
+import uuid
+from datetime import timedelta
+
+from . import _C
+
+_POLL_S = 0.05
+
+
+def agree(store, base, rank, world_size, timeout_s):
+    """The round name every rank of this start agrees on (see the module's docstring).
+    Collective over world_size ranks through store; raises DistTimeoutError naming the
+    ranks that did not take part within timeout_s, and the store's own errors
+    (DistNetworkError when it goes away) unchanged."""
+    nonce = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout_s
+    store.set(f"{base}/hello/{rank}", nonce)
+    if world_size == 1:
+        return nonce[:16]
+    if rank == 0:
+        return _lead(store, base, nonce, world_size, deadline, timeout_s)
+    key = f"{base}/round/{nonce}"
+    while True:
+        _wait(store, key, deadline, timeout_s, f"rank 0's round for rank {rank}")
+        name = store.get(key).decode()
+        store.set(f"{base}/ack/{name}/{rank}", "1")
+        go = f"{base}/go/{name}"
+        _wait(store, go, deadline, timeout_s, "rank 0's go")
+        if store.get(go) == b"go":
+            return name
+        # void: rank 0 wrote this rank's new round before voiding the old one
+
+
+def _lead(store, base, nonce, world_size, deadline, timeout_s):
+    """Rank 0's part: name rounds until every rank acknowledges one (see above)."""
+    hello = [f"{base}/hello/{r}" for r in range(world_size)]
+    nonces = [nonce]
+    for r in range(1, world_size):
+        _wait(store, hello[r], deadline, timeout_s, f"rank {r} to start")
+        nonces.append(store.get(hello[r]).decode())
+    attempt, old = 0, None
+    while True:
+        name = f"{nonce[:16]}.{attempt}"
+        for r in range(1, world_size):
+            store.set(f"{base}/round/{nonces[r]}", name)
+        if old is not None:
+            store.set(f"{base}/go/{old}", "void")
+        missing = list(range(1, world_size))
+        while missing:
+            missing = [r for r in missing if not store.check([f"{base}/ack/{name}/{r}"])]
+            changed = [r for r in missing if store.get(hello[r]).decode() != nonces[r]]
+            if changed:
+                break
+            if missing and time.monotonic() >= deadline:
+                raise _C.DistTimeoutError(
+                    f"rank 0: ranks {missing} did not join this start's rendezvous round "
+                    f"within {timeout_s:.0f} s (their last announced process never "
+                    f"answered). Check that every node was started for this job.")
+            if missing:
+                time.sleep(_POLL_S)
+        if not missing:
+            store.set(f"{base}/go/{name}", "go")
+            return name
+        for r in changed:
+            nonces[r] = store.get(hello[r]).decode()
+        attempt, old = attempt + 1, name
+
+
+def _wait(store, key, deadline, timeout_s, what):
+    """Wait for key to exist until deadline (a clear DistTimeoutError after it)."""
+    left = deadline - time.monotonic()
+    try:
+        store.wait([key], timeout=timedelta(seconds=max(left, 0.001)))
+    except _C.DistTimeoutError:
+        raise _C.DistTimeoutError(
+            f"waited {timeout_s:.0f} s for {what} in the rendezvous round; check that "
+            f"every node was started for this job") from None
