@@ -157,3 +157,57 @@ def partition(routed):
                            capture_output=True, text=True, timeout=20)
         if r.returncode != 0:
             raise NetnsUnavailable(f"tc tbf on {dev} failed: {r.stderr.strip()}")
+
+
+Bridged = collections.namedtuple("Bridged", "hosts switch ports")
+
+
+@contextlib.contextmanager
+def bridged_hosts(n):
+    """Yield Bridged(hosts, switch, ports): n host namespaces on one /24, each with a veth
+    link to a bridge in a switch namespace (as VMs in one private network); ports[i] is
+    host i's port on the bridge, which vanish() detaches. Addresses from 10.215.0.0/16,
+    one /24 chosen from the process id; everything is deleted on exit, also after
+    errors."""
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces need root")
+    if shutil.which("ip") is None:
+        raise NetnsUnavailable("iproute2 (`ip`) is not installed")
+    tag = os.getpid() % 250
+    sw = f"pyddp{tag}sw"
+    made = []
+    try:
+        _ip("netns", "add", sw)
+        made.append(sw)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        hosts, ports = [], []
+        for i in range(n):
+            ns, host_if, port = f"pyddp{tag}h{i}", f"pdb{tag}h{i}", f"pdb{tag}p{i}"
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("link", "add", host_if, "netns", ns, "type", "veth", "peer", "name", port,
+                "netns", sw)
+            addr = f"10.215.{tag}.{i + 1}"
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", host_if)
+            _ip("-n", ns, "link", "set", host_if, "up")
+            _ip("-n", sw, "link", "set", port, "master", "br0")
+            _ip("-n", sw, "link", "set", port, "up")
+            hosts.append(Host(ns, addr, host_if))
+            ports.append(port)
+        yield Bridged(hosts, sw, ports)
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def vanish(bridged, i):
+    """Host i vanishes from the network: its bridge port is detached, so nothing it
+    sends arrives and nothing reaches it (no FIN, no RST), while its own link stays up."""
+    _ip("-n", bridged.switch, "link", "set", bridged.ports[i], "nomaster")
+
+
+def reappear(bridged, i):
+    """Host i's port is on the bridge again."""
+    _ip("-n", bridged.switch, "link", "set", bridged.ports[i], "master", "br0")
