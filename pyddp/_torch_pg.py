@@ -12,7 +12,9 @@ Two paths:
 
 * the thin path, for a call on one contiguous CPU tensor (all_reduce: torch DDP's
   bucket; broadcast, reduce, barrier): straight to ``_C.ProcessGroup`` with the tensor
-  passed by address. torch's blocking wrappers say so (``opts.asyncOp`` False) and
+  passed by address; a blocking one is read and run in one C call first
+  (``ProcessGroup.torch_run``: torch's options and the tensor's facts read in C). torch's
+  blocking wrappers say so (``opts.asyncOp`` False) and
   wait at once, so such a call runs to completion here, through the lean path (a small
   one inline on this thread), and returns None, which torch takes as "the backend has
   synchronised"; an asynchronous one is submitted and gets a :class:`PyddpWork` whose
@@ -52,6 +54,29 @@ _SUM = _RedOpType.SUM       # opts.reduceOp == _SUM is the cheap test (ReduceOp.
 _OPS = {_RedOpType.SUM: C.ReduceOp.SUM, _RedOpType.AVG: C.ReduceOp.AVG,
         _RedOpType.MIN: C.ReduceOp.MIN, _RedOpType.MAX: C.ReduceOp.MAX,
         _RedOpType.PRODUCT: C.ReduceOp.PRODUCT}
+
+
+def _thin_ops():
+    """{hash(ReduceOp): pyddp op code} for the ops ProcessGroup.torch_run reduces in C,
+    or None (the C path then leaves reductions to Python) unless this torch's
+    ReduceOp hash is proven to name the op: distinct, small, and none of the other
+    ops' (bitwise, PREMUL_SUM) hashes."""
+    try:
+        ops = {hash(dist.ReduceOp(k)): int(v) for k, v in _OPS.items()}
+        others = {hash(dist.ReduceOp(k)) for k in
+                  (_RedOpType.BAND, _RedOpType.BOR, _RedOpType.BXOR)}
+        others.add(hash(dist._make_nccl_premul_sum(2.0)))
+    except Exception:  # noqa: BLE001 - another torch: no C reductions
+        return None
+    if len(ops) != len(_OPS) or others & set(ops) or not all(0 <= h < 16 for h in ops):
+        return None
+    return ops
+
+
+# ProcessGroup.torch_run: torch's blocking call on one CPU tensor read and run in C
+_C.torch_thin_config(*A.torch_hook_config(torch), _thin_ops())
+_ALLREDUCE, _BROADCAST, _REDUCE, _BARRIER = (_C.COLL_ALLREDUCE, _C.COLL_BROADCAST,
+                                             _C.COLL_REDUCE, _C.COLL_BARRIER)
 
 
 def _reduce_op(op):
@@ -200,6 +225,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             self._coalesced.append(fut)
         return PyddpWork(fut, comp)
 
+    def _thin_failed(self, e):
+        """Raise e, raised by ProcessGroup.torch_run, as torch's error (a collective's
+        failure with the straggler report)."""
+        if isinstance(e, COLLECTIVE_FAILURES):
+            _raise_explained_as_torch(self._handle, e)
+        raise_as_torch(e)
+
     def _thin(self, kind, t, op, root, opts):
         """The thin path of a call of kind (COLL_*) on one tensor t (None: barrier), op a
         ReduceOp code and root a group rank: the torch Work of an asynchronous call,
@@ -246,7 +278,18 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     # -- reductions -----------------------------------------------------------------
 
+    # Each thin-path method first asks ProcessGroup.torch_run, which runs torch's
+    # blocking call on one CPU tensor in one C call (None: done) and answers
+    # NotImplemented for everything else, with nothing sent.
+
     def allreduce(self, tensors, opts=None):
+        pg = self._handle._pg
+        if type(pg) is _PG:
+            try:
+                if pg.torch_run(_ALLREDUCE, tensors, opts, self._timeout_ms) is None:
+                    return None
+            except Exception as e:
+                self._thin_failed(e)
         rop = opts.reduceOp if opts is not None else _SUM
         if rop == _SUM:
             op, factor = C.ReduceOp.SUM, None
@@ -277,6 +320,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                          list(tensors))
 
     def reduce(self, tensors, opts):
+        pg = self._handle._pg
+        if type(pg) is _PG:
+            try:
+                if pg.torch_run(_REDUCE, tensors, opts, self._timeout_ms) is None:
+                    return None
+            except Exception as e:
+                self._thin_failed(e)
         op, factor = _reduce_op(opts.reduceOp)
         dst = self._global(opts.rootRank, "dst")
         if factor is None and len(tensors) == 1:
@@ -330,6 +380,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     # -- data movement ----------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None):
+        pg = self._handle._pg
+        if type(pg) is _PG:
+            try:
+                if pg.torch_run(_BROADCAST, tensors, opts, self._timeout_ms) is None:
+                    return None
+            except Exception as e:
+                self._thin_failed(e)
         root = opts.rootRank if opts is not None else 0
         src = self._global(root, "src")
         if len(tensors) == 1:
@@ -409,6 +466,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                                    "src= to recv/irecv")
 
     def barrier(self, opts=None):
+        pg = self._handle._pg
+        if type(pg) is _PG:
+            try:
+                if pg.torch_run(_BARRIER, None, opts, self._timeout_ms) is None:
+                    return None
+            except Exception as e:
+                self._thin_failed(e)
         w = self._thin(_C.COLL_BARRIER, None, 0, 0, opts)
         if w is not NotImplemented:
             return w

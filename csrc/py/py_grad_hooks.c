@@ -65,8 +65,7 @@ typedef struct {
 } HookObject;
 
 static PyTypeObject *HooksType, *HookType;
-static PyObject *s_grad, *s_dtype, *s_layout, *s_is_cpu, *s_is_contiguous, *s_data_ptr,
-                *s_numel;
+static PyObject *s_grad;
 
 /* ---- GradHooks --------------------------------------------------------- */
 
@@ -279,41 +278,10 @@ static PyType_Spec hooks_spec = {"pyddp._C.GradHooks", sizeof(HooksObject), 0,
 
 /* ---- one parameter's hook ------------------------------------------------ */
 
-/* 1 if the tensor t may take the lean path (CPU, strided, contiguous, a
- * known dtype), filling its address, element count and dtype code; 0 if not;
- * -1 with an exception. */
+/* 1 if the tensor t may take the lean path (ddp_py_torch_cpu_tensor), filling
+ * its address, element count and dtype code; 0 if not; -1 with an exception. */
 static int lean_tensor(HooksObject *h, PyObject *t, void **ptr, size_t *count, int *code) {
-    if (h->tensor_type == NULL || h->dtypes == NULL || (PyObject *)Py_TYPE(t) != h->tensor_type)
-        return 0;
-    PyObject *v = PyObject_GetAttr(t, s_dtype);
-    if (v == NULL) return -1;
-    PyObject *c = PyDict_GetItemWithError(h->dtypes, v);   /* borrowed */
-    Py_DECREF(v);
-    if (c == NULL) return PyErr_Occurred() ? -1 : 0;
-    *code = (int)PyLong_AsLong(c);
-    if (*code == -1 && PyErr_Occurred()) return -1;
-    if ((v = PyObject_GetAttr(t, s_is_cpu)) == NULL) return -1;
-    int ok = v == Py_True;
-    Py_DECREF(v);
-    if (!ok) return 0;
-    if ((v = PyObject_GetAttr(t, s_layout)) == NULL) return -1;
-    ok = v == h->strided;
-    Py_DECREF(v);
-    if (!ok) return 0;
-    if ((v = PyObject_CallMethodNoArgs(t, s_is_contiguous)) == NULL) return -1;
-    ok = v == Py_True;
-    Py_DECREF(v);
-    if (!ok) return 0;
-    if ((v = PyObject_CallMethodNoArgs(t, s_numel)) == NULL) return -1;
-    long long n = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (n < 0) return PyErr_Occurred() ? -1 : 0;
-    if ((v = PyObject_CallMethodNoArgs(t, s_data_ptr)) == NULL) return -1;
-    *ptr = PyLong_AsVoidPtr(v);
-    Py_DECREF(v);
-    if (PyErr_Occurred()) return -1;
-    *count = (size_t)n;
-    return 1;
+    return ddp_py_torch_cpu_tensor(h->tensor_type, h->strided, h->dtypes, t, ptr, count, code);
 }
 
 /* The reducer raised: let failed(exc) make DDP's error of it (it raises). */
@@ -444,13 +412,7 @@ static PyType_Spec hook_spec = {"pyddp._C.GradHook", sizeof(HookObject), 0,
                                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, hook_slots};
 
 int ddp_py_grad_hooks_register(PyObject *m) {
-    static PyObject **names[] = {&s_grad, &s_dtype, &s_layout, &s_is_cpu, &s_is_contiguous,
-                                 &s_data_ptr, &s_numel};
-    static const char *text[] = {"grad", "dtype", "layout", "is_cpu", "is_contiguous",
-                                 "data_ptr", "numel"};
-    for (size_t k = 0; k < sizeof names / sizeof *names; k++)
-        if (*names[k] == NULL && (*names[k] = PyUnicode_InternFromString(text[k])) == NULL)
-            return -1;
+    if (s_grad == NULL && (s_grad = PyUnicode_InternFromString("grad")) == NULL) return -1;
     HooksType = (PyTypeObject *)PyType_FromSpec(&hooks_spec);
     if (HooksType == NULL) return -1;
     HookType = (PyTypeObject *)PyType_FromSpec(&hook_spec);

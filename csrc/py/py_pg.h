@@ -80,6 +80,17 @@ PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking);
 PyObject *ddp_py_pg_submit(PGObject *self, PyObject *args, PyObject *kw);
 PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* ---- py_torch_thin.c ---- */
+
+/* torch_run(kind, tensors, opts, timeout_ms) -> None once a blocking call of
+ * torch's (opts.asyncOp False) on one contiguous CPU torch tensor (tensors, a
+ * list of one; None for BARRIER) has run through run(); NotImplemented, with
+ * nothing sent, for anything the torch backend's Python path must handle;
+ * NULL with an exception (a collective's failure as run() raises it). The
+ * op comes from opts.reduceOp (ALLREDUCE, REDUCE), the group root from
+ * opts.rootRank (BROADCAST, REDUCE). */
+PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 /* ---- py_pg_vec.c ---- */
 PyObject *ddp_py_pg_alltoall(PGObject *self, PyObject *args);
 PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args);
