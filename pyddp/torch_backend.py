@@ -13,7 +13,7 @@ group's name and its global ranks (extended API). The creator:
   the agent's store) and connects a pyddp store client to it; for any other store
   (FileStore, HashStore) rank 0 hosts a pyddp store on an ephemeral port and
   publishes its address through torch's store. pyddp then rendezvouses under its own
-  prefix ``/pyddp/<run id>/<restart count>/torch/<generation>.<group name>``: a torchrun
+  prefix ``/pyddp/<run id>/torch/<generation>.<group name>/<round>`` (``_round``): a torchrun
   restart (whose agent store still holds the old keys) or a second init in the same
   process starts clean, and torch's own keys are untouched.
 * ``new_group(ranks)`` when the default group is pyddp's: a pyddp subgroup running on
