@@ -42,9 +42,15 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
 
 def _agree_round(store, rdzv, base, timeout_s, own_store):
     """(store, prefix): this start's key prefix ``<base>/<round>`` (``_round``). A store
-    client whose server goes away before the round is agreed (an earlier round's rank 0
-    still exiting) reconnects to the address it was given and agrees again, until
-    timeout_s; a store this process hosts or was handed is used as it is."""
+    that rank 0 of this start hosts (plain env://, tcp://, file://, and torchrun with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) holds only this start's keys: the round is
+    then "0", and the core's rendezvous, which notices a rank refused for its
+    PYDDP_AUTH_TOKEN, is the first wait. A store that outlives the workers (torchrun's
+    agent store, or one passed in) gets an agreed round; a client whose server goes away
+    before it is agreed reconnects to the address it was given and agrees again, until
+    timeout_s; a store this process was handed is used as it is."""
+    if not rdzv.use_agent_store and rdzv.method != "store":
+        return store, f"{base}/0"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
