@@ -166,7 +166,7 @@ Bridged = collections.namedtuple("Bridged", "hosts switch ports")
 def bridged_hosts(n):
     """Yield Bridged(hosts, switch, ports): n host namespaces on one /24, each with a veth
     link to a bridge in a switch namespace (as VMs in one private network); ports[i] is
-    host i's port on the bridge, which vanish() detaches. Addresses from 10.215.0.0/16,
+    host i's port on the bridge. Addresses from 10.215.0.0/16,
     one /24 chosen from the process id; everything is deleted on exit, also after
     errors."""
     if os.geteuid() != 0:
@@ -201,13 +201,3 @@ def bridged_hosts(n):
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
-
-def vanish(bridged, i):
-    """Host i vanishes from the network: its bridge port is detached, so nothing it
-    sends arrives and nothing reaches it (no FIN, no RST), while its own link stays up."""
-    _ip("-n", bridged.switch, "link", "set", bridged.ports[i], "nomaster")
-
-
-def reappear(bridged, i):
-    """Host i's port is on the bridge again."""
-    _ip("-n", bridged.switch, "link", "set", bridged.ports[i], "master", "br0")
