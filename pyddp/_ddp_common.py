@@ -10,13 +10,14 @@ is decided by ``pyddp.ddp`` (it sets ``DistributedDataParallel._front``), the mo
 that knows both: this one imports neither, so the fronts import it without a cycle.
 """
 import contextlib
+import weakref
 
 import numpy as np
 
 from . import _C
 from ._nccl_backend import caller_stream
 from . import _arrays as A
-from ._group import _resolve, timeout_ms
+from ._group import WORLD, _resolve, timeout_ms
 from ._objects import all_gather_object
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
@@ -86,6 +87,24 @@ def ddp_group(process_group):
     """(Group, _C.ProcessGroup, timeout in ms) for DDP's process_group= argument."""
     g = _resolve(process_group)
     return g, g.pg("DistributedDataParallel"), timeout_ms(g)
+
+
+_ON_WORLD = weakref.WeakSet()     # the DDPs on the default group
+
+
+def follow_world(ddp, process_group):
+    """Record that ddp (a front) runs on the default group when process_group says so,
+    so that an elastic membership change moves it to the new one (rebind_world)."""
+    if process_group is None or process_group is WORLD:
+        _ON_WORLD.add(ddp)
+
+
+def rebind_world():
+    """After an elastic membership change: every DDP on the default group drops its
+    reducer (and its .grad arrays, which belong to the interrupted iteration) and makes
+    a new one over the new default group, with no communication."""
+    for ddp in list(_ON_WORLD):
+        ddp._rebind()
 
 
 def sync_initial_state(names, arrays, g, pg, timeout_ms):

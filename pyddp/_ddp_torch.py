@@ -27,7 +27,8 @@ from . import _C
 from . import _arrays as A
 from ._ddp_reducer import GradSync
 from ._ddp_common import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
-                          ddp_group, reduce_dtype_name, sync_initial_state, use_generic_path)
+                          ddp_group, follow_world, reduce_dtype_name, sync_initial_state,
+                          use_generic_path)
 
 
 def _act(ddp_ref, i, verdict):
@@ -109,6 +110,11 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
         self._params = params
+        self._names = names
+        self._sync_opts = dict(bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
+                               find_unused=find_unused_parameters, static_graph=static_graph,
+                               view_mode=gradient_as_bucket_view, reduce_dtype=rdt)
+        self._forced_generic = _generic_path
         with torch.no_grad():
             if init_sync:
                 states = [(n, p.detach()) for n, p in named]
@@ -117,15 +123,31 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                                if n not in ignore]
                 sync_initial_state([n for n, _ in states], [t for _, t in states], g, pg,
                                    self._timeout_ms)
-            self._sync = GradSync(
-                [p.detach() for p in params], names, self._get_grad, self._set_grad, pg=pg,
-                rank=g.rank, world_size=g.size,
-                bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
-                find_unused=find_unused_parameters, static_graph=static_graph,
-                view_mode=gradient_as_bucket_view,
-                generic=use_generic_path(pg, params, _generic_path),
-                timeout_ms=self._timeout_ms, reduce_dtype=rdt, group=g)
+            self._sync = self._new_sync()
         self._hook_handles = _install_hooks(self, params)
+        follow_world(self, process_group)
+
+    def _new_sync(self):
+        """The reducer (GradSync) over the current group."""
+        g, pg = self._group, self._pg
+        return GradSync([p.detach() for p in self._params], self._names, self._get_grad,
+                        self._set_grad, pg=pg, rank=g.rank, world_size=g.size,
+                        generic=use_generic_path(pg, self._params, self._forced_generic),
+                        timeout_ms=self._timeout_ms, group=g, **self._sync_opts)
+
+    def _rebind(self):
+        """Move to the new default group after an elastic membership change (see
+        _ddp_common.rebind_world): new reducer and hooks, gradients cleared."""
+        for h in self._hook_handles:
+            h.remove()
+        self._sync.hooks.detach()
+        self._group, self._pg, self._timeout_ms = ddp_group(None)
+        for p in self._params:
+            p.grad = None
+        with torch.no_grad():
+            self._sync = self._new_sync()
+        self._hook_handles = _install_hooks(self, self._params)
+        self.require_forward_param_sync = True
 
     def _check_devices(self, trainable, device_ids, output_device):
         types = {p.device.type for _, p in trainable}

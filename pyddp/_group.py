@@ -13,6 +13,7 @@ rendezvous through a store that ``_rendezvous`` finds or hosts).
 """
 import logging
 import os
+import weakref
 
 from . import _C, _env, _forensics
 from ._version import __version__
@@ -38,6 +39,10 @@ class _State:
     device_id = None       # init_process_group(device_id=...)
     prefix = None
     own_store = False      # the store client was made by init_process_group
+    made = []              # weak references to the groups new_group() made since init
+    joined = False         # admitted into a running elastic job, state not synced yet
+    membership = None      # the in-place elastic job's _membership.Membership
+    master_addr = None     # the store's host: the route the advertised address takes
 
 
 class WORLD:
@@ -65,6 +70,7 @@ class Group:
         self._mb = 0                       # monitored barriers run on it
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self._watcher = None               # the world group's straggler watcher (_forensics)
+        self._stale = None                 # why it can no longer be used (elastic change)
         if pg is not None and backend != "cpu":
             pg.set_cuda_factory(self._attach_nccl)
         if pg is not None:
@@ -86,8 +92,11 @@ class Group:
         return i
 
     def pg(self, op="this collective"):
-        """The _C.ProcessGroup of this group (raises off the group or after destroy)."""
+        """The _C.ProcessGroup of this group (raises off the group, after destroy, and
+        on a group made before an elastic membership change)."""
         if self._pg is None:
+            if self._stale is not None:
+                raise _C.DistError(f"rank {self._world_rank} called {op} on {self._stale}")
             raise _C.DistValueError(f"rank {self._world_rank} called {op} on a group it is not "
                                     f"a member of (ranks {self.ranks})")
         return self._pg
@@ -268,11 +277,23 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         g = Group(None, ranks, be or world.backend, world._store, None, timeout_s,
                   world.rank)
         g.backend_name = world.backend_name if be is None else _asked_name(backend)
-        return g
-    g = world.subgroup(ranks, str(n), be, timeout_s, algo)
-    if be is not None:
-        g.backend_name = _asked_name(backend)
+    else:
+        g = world.subgroup(ranks, str(n), be, timeout_s, algo)
+        if be is not None:
+            g.backend_name = _asked_name(backend)
+    _State.made.append(weakref.ref(g))
     return g
+
+
+def retire_groups(why):
+    """An elastic membership change replaced the default group: every group made from
+    the old one is destroyed, and using one raises a DistError ending in why."""
+    for ref in _State.made:
+        g = ref()
+        if g is not None:
+            g._stale = why
+            g._destroy()
+    _State.made = []
 
 
 def get_local_rank() -> int:

@@ -17,7 +17,7 @@ import time
 
 from . import _C, _env, _exit, _forensics, _round
 from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
-    _resolve, dump_flight_record
+    _resolve, dump_flight_record, retire_groups
 from ._rendezvous import _is_hosted, _linger_after_failure, _make_store, _td
 from ._version import __version__
 from .store import TCPStore
@@ -68,13 +68,15 @@ def _agree_round(store, rdzv, base, timeout_s, own_store):
 
 
 def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
-                torch_rendezvous=False):
+                torch_rendezvous=False, rdzv_timeout_s=None):
     """Rendezvous a world Group (collective); backend "nccl" attaches NCCL at once.
-    torch_rendezvous: the group is torch's "pyddp" backend's (see _forensics.Watcher)."""
+    torch_rendezvous: the group is torch's "pyddp" backend's (see _forensics.Watcher).
+    rdzv_timeout_s: the rendezvous's own deadline, if shorter than timeout_s."""
     lo, hi = _env.port_range()
     advertise = _env.advertise_address(master_addr)
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
-                         int(timeout_s * 1000), __version__, _env.host_identity())
+                         int((rdzv_timeout_s or timeout_s) * 1000), __version__,
+                         _env.host_identity())
     g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
     _exit.track(g)           # pending work at exit gets PYDDP_EXIT_WAIT, then an abort
     g._advertise = advertise
@@ -111,6 +113,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                            "destroy_process_group() first")
     be = _pick_backend(backend)
     timeout_s = _env.timeout_seconds(timeout)
+    if _C.setting_text("PYDDP_ELASTIC_JOIN") and store is None:
+        _join_elastic(be, backend, timeout_s, device_id)
+        return
     if store is not None:
         if init_method is not None:
             raise _C.DistValueError("pass either init_method or store, not both")
@@ -148,11 +153,62 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     pg.backend_name = _asked_name(backend)
     _State.backend = pg.backend_name or be or _auto_backend_name()
     _State.groups_made = 0
+    _State.made = []
     _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
     _State.own_store = own_store
+    _State.master_addr = rdzv.master_addr or None
     _warn_unauthenticated(pg)
     log.debug("pyddp: rank %d/%d initialized (%s backend, prefix %s)", rdzv.rank,
               rdzv.world_size, _State.backend, prefix)
+
+
+def _join_elastic(be, backend, timeout_s, device_id):
+    """init_process_group in a process started to join a running in-place elastic job
+    (PYDDP_ELASTIC_JOIN=host:port, its store). Until pyddp.elastic.run admits it into
+    the job (at one of the job's commits) the default group is this process alone, so
+    that the script builds its model, DDP and optimizer without holding the job up."""
+    from . import _membership
+    addr = _C.setting_text("PYDDP_ELASTIC_JOIN").strip()
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise _C.DistValueError(f"PYDDP_ELASTIC_JOIN={addr!r}: expected host:port of the "
+                                f"job's store (its rendezvous endpoint)")
+    host = host.strip("[]")
+    store = TCPStore(host, int(port), is_master=False, timeout=_td(timeout_s))
+    try:
+        mem = _membership.joiner(store)
+        _State.device_id = device_id
+        prefix = f"{mem.base}/solo/{mem.me}"
+        g = _make_group(store, 0, 1, prefix, timeout_s, be, host)
+    except BaseException:
+        store.close()
+        raise
+    _State.pg, _State.store, _State.own_store = g, store, True
+    g.backend_name = _asked_name(backend)
+    _State.backend = g.backend_name or be or _auto_backend_name()
+    _State.rank, _State.world_size, _State.timeout_s, _State.prefix = 0, 1, timeout_s, prefix
+    _State.groups_made, _State.made, _State.master_addr = 0, [], host
+    _State.joined, _State.membership = True, mem
+
+
+def rebuild_world(rank, size, prefix, why):
+    """An in-place elastic change: replace the default group by a world of size ranks
+    under prefix, this process being rank (collective over the new members). Groups made
+    from the old one raise from now on; a rendezvous that does not complete within
+    PYDDP_ELASTIC_SETTLE_S + 30 s (a member lost meanwhile) raises."""
+    old = _State.pg
+    retire_groups(f"a group made before the elastic membership change ({why}); make it "
+                  f"again after the change, in a reset callback")
+    old._destroy()
+    timeout_s = _State.timeout_s
+    _State.pg = None
+    g = _make_group(_State.store, rank, size, prefix, timeout_s, old.backend,
+                    _State.master_addr, rdzv_timeout_s=min(timeout_s, 30 + float(
+                        _C.setting("PYDDP_ELASTIC_SETTLE_S"))))
+    g.backend_name = old.backend_name
+    _State.pg, _State.rank, _State.world_size, _State.prefix = g, rank, size, prefix
+    _State.groups_made, _State.made = 0, []
+    return g
 
 
 _auth_warned = False
@@ -185,7 +241,10 @@ def destroy_process_group(group=None):
     if pg is None:
         return
     _State.pg = None
+    mem, _State.membership, _State.joined = _State.membership, None, False
     try:
+        if mem is not None:
+            mem.close()
         pg._destroy()
     finally:
         if store is not None and _State.own_store and not _is_hosted(store):

@@ -17,7 +17,8 @@ from . import _C
 from . import _arrays as A
 from ._ddp_common import (BROADCAST_BUCKET_BYTES, REDUCE_DTYPES,  # noqa: F401 - this API
                           DistributedDataParallel, broadcast_coalesced, bucket_bytes,
-                          ddp_group, reduce_dtype_name, sync_initial_state, use_generic_path,
+                          ddp_group, follow_world, reduce_dtype_name, sync_initial_state,
+                          use_generic_path,
                           verify_across_ranks)
 from ._ddp_reducer import GradSync
 
@@ -122,14 +123,31 @@ class ArrayDDP(DistributedDataParallel):
             bufs = self._buffers if broadcast_buffers else []
             sync_initial_state(names + [f"buffer {i}" for i in range(len(bufs))],
                                arrays + bufs, g, pg, self._timeout_ms)
-        self._sync = GradSync(
-            arrays, names, self._get_grad, self._set_grad, pg=pg, rank=g.rank,
-            world_size=g.size, bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
-            # every gradient is ready at once here, so a static graph needs nothing more
-            find_unused=find_unused_parameters or static_graph, static_graph=False,
-            view_mode=gradient_as_bucket_view,
-            generic=use_generic_path(pg, arrays, _generic_path), timeout_ms=self._timeout_ms,
-            reduce_dtype=rdt, group=g)
+        self._names, self._arrays, self._forced_generic = names, arrays, _generic_path
+        # every gradient is ready at once here, so a static graph needs nothing more
+        self._sync_opts = dict(bucket_cap_bytes=bucket_bytes(bucket_cap_mb),
+                               find_unused=find_unused_parameters or static_graph,
+                               static_graph=False, view_mode=gradient_as_bucket_view,
+                               reduce_dtype=rdt)
+        self._sync = self._new_sync()
+        follow_world(self, process_group)
+
+    def _new_sync(self):
+        """The reducer (GradSync) over the current group."""
+        g, pg = self._group, self._pg
+        return GradSync(self._arrays, self._names, self._get_grad, self._set_grad, pg=pg,
+                        rank=g.rank, world_size=g.size,
+                        generic=use_generic_path(pg, self._arrays, self._forced_generic),
+                        timeout_ms=self._timeout_ms, group=g, **self._sync_opts)
+
+    def _rebind(self):
+        """Move to the new default group after an elastic membership change (see
+        _ddp_common.rebind_world). Gradients are left as they are: their arrays are
+        the model's (the next backward overwrites them)."""
+        self._sync.hooks.detach()
+        self._group, self._pg, self._timeout_ms = ddp_group(None)
+        self._sync = self._new_sync()
+        self.require_forward_param_sync = True
 
     @staticmethod
     def _find_buffers(module):

@@ -45,6 +45,16 @@ static const ddp_setting_decl table[] = {
      "host (not even its kernel's TCP acknowledgements or keepalive replies) after which "
      "the peer's host, or the network to it, is reported down. A peer that is alive but "
      "stopped or slow still answers and is not affected", "CPU transport, store connections"},
+    {"PYDDP_ELASTIC_SETTLE_S", DDP_SETTING_SECONDS, "1", 1, 0, NOMAX, 0,
+     "in-place elastic jobs: seconds a membership change waits for the ranks of the old "
+     "world that have not answered yet (a live rank answers within milliseconds, from a "
+     "thread of its own); the ranks that answered go on without the others. The new world "
+     "is closed at once when every old rank answered", "`pyddp.elastic`"},
+    {"PYDDP_ELASTIC_JOIN", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "`host:port` of a running in-place elastic job's store (the `--rdzv-endpoint` or "
+     "`--master_addr:--master_port` of its launch line): `init_process_group` then joins "
+     "that job, admitted at its next `state.commit()`, instead of rendezvousing with its "
+     "own launcher's ranks (see [elastic.md](elastic.md#in-place))", "`pyddp.elastic`"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "`lo-hi`: the data port each rank listens on is taken from this range (for firewalled "
      "VMs whose security group opens only a range). Without it, an ephemeral port", "CPU transport"},

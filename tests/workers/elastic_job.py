@@ -2,6 +2,7 @@
 torchrun on network-namespace hosts.
 
     elastic_job.py restart STEP_S STOP_FILE   # torchrun restarts the workers on a change
+    elastic_job.py inplace STEP_S STOP_FILE   # pyddp.elastic: the processes go on
 
 A Linear model under pyddp's DDP on 192 samples split by DistributedSampler, batch 8,
 sleeping STEP_S after each step so that a host can be killed mid-epoch. After every
@@ -13,6 +14,11 @@ decides, every rank follows) and prints ``done`` on each rank.
 restart: each node's local rank 0 saves a checkpoint after every epoch into CKPT_DIR
 (a directory of that host's own: no shared storage); on start the newest checkpoint
 among the nodes is sent by its holder to every rank (broadcast_object_list).
+
+inplace: the loop runs under pyddp.elastic.run with a TorchState committed after every
+epoch (the sampler is made again by a reset callback); each record also lists the
+ranks' process ids, so that a test sees survivors go on in the same processes. A
+process started with PYDDP_ELASTIC_JOIN is admitted into the running job.
 """
 import hashlib
 import json
@@ -126,7 +132,43 @@ def restart_mode(step_s, stop_file):
     dist.destroy_process_group()
 
 
+def inplace_mode(step_s, stop_file):
+    """pyddp.elastic: survivors go on in the same processes, joiners are admitted."""
+    from pyddp import elastic
+    dist.init_process_group("cpu")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = data()
+    state = elastic.TorchState(model=model, optimizer=opt, epoch=0)
+    box = {}
+
+    def remake_sampler():
+        box["sampler"] = DistributedSampler(range(N), shuffle=True, seed=1)
+
+    remake_sampler()
+    state.register_reset_callbacks([remake_sampler])
+    joined = elastic.joined()
+    pid = os.getpid()
+
+    @elastic.run
+    def train(state):
+        while True:
+            idx = run_epoch(model, opt, box["sampler"], state.epoch, x, y, step_s)
+            pids = [None] * dist.get_world_size()
+            dist.all_gather_object(pids, pid)
+            stop = report(model, opt, state.epoch, idx, stop_file, {"pids": pids})
+            state.epoch += 1
+            state.commit()
+            if stop:
+                return state.epoch
+
+    last = train(state)
+    print(f"done pid={pid} joined={int(joined)} epoch={last}", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, step, stop_path = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-    assert mode == "restart", mode
-    restart_mode(step, stop_path)
+    assert mode in ("restart", "inplace"), mode
+    (restart_mode if mode == "restart" else inplace_mode)(step, stop_path)

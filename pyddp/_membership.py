@@ -1,0 +1,268 @@
+"""In-place elastic membership: who is in the job after a rank is lost or a node joins,
+agreed through the job's store while the processes go on running.
+
+A job in place (``pyddp.elastic.run``) has a membership epoch ``e`` (0 at the start)
+and a key space ``E`` (``<the world's key prefix>/elastic``) in the job's store:
+
+* ``E/<e>/change``: set by whoever notices that epoch ``e`` is over: a rank whose
+  collective failed (a peer died or vanished), or rank 0 at a commit when a node asks
+  to join. Every rank has a watcher thread (with its own store connection) blocked on
+  that key: it aborts the process group at once, so that a collective in flight on any
+  rank fails now, and answers for its rank even while the main thread computes.
+* ``E/<e>/reg`` (a counter) and ``E/<e>/reg/<ticket>``: each live rank's answer (its
+  process id and its rank in epoch ``e``). The rank with ticket 1 coordinates: it
+  waits until every rank of epoch ``e`` answered, or PYDDP_ELASTIC_SETTLE_S after it
+  started waiting, then writes ``E/<e+1>/members``: the ranks that answered (in their
+  old order, so rank 0 stays rank 0 while it lives), then the nodes waiting to join.
+* ``E/join`` (a counter) and ``E/join/<i>``: processes started to join a running job
+  (PYDDP_ELASTIC_JOIN); ``E/join/<i>/epoch`` tells one it was admitted, and into which
+  epoch. ``/pyddp/elastic/live`` names ``E``, so a joiner needs only the store address.
+
+Every member of ``E/<e+1>/members`` then makes the new world group under the prefix
+``E/<e+1>/pg`` (dense ranks, the members' order); a rank that answered too late finds
+itself left out and gets a clear error. A store that fails during all this is reported
+as the loss of the job's store host, which in-place recovery cannot outlive.
+"""
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+from . import _C
+
+log = logging.getLogger("pyddp")
+
+LIVE_KEY = "/pyddp/elastic/live"
+_POLL_S = 0.02
+_WATCH_POLL = timedelta(seconds=0.5)
+
+
+def _settle_s():
+    return float(_C.setting("PYDDP_ELASTIC_SETTLE_S"))
+
+
+class StoreLost(_C.DistNetworkError):
+    """The job's store stopped answering: its host is gone, and the job with it."""
+
+
+def store_lost(store, e):
+    """The error for a store request that failed during in-place recovery."""
+    return StoreLost(f"the job's store at {store.host}:{store.port} stopped answering "
+                     f"({e}): its host was lost or the network to it is down. An in-place "
+                     f"elastic job cannot outlive the host of its store (the rendezvous "
+                     f"endpoint); start the job again")
+
+
+class Membership:
+    """This process's part in an in-place job: its id, the epoch, the world group it
+    watches, and the outcome of the change that ended the epoch (see the module's
+    docstring). Made by :func:`start` (the job's first ranks) or :func:`join`."""
+
+    def __init__(self, store, base, epoch, rank, size, joined_total, me):
+        self.store, self.base, self.me = store, base, me
+        self.epoch, self.rank, self.size = epoch, rank, size
+        self.joined_total = joined_total      # joiners admitted so far (E/join's count)
+        self.changed = None                   # why the current epoch ended, once it has
+        self.group = None
+        self._watch_store = None
+        self._thread = None
+        self._stop = threading.Event()
+        self._failed = None                   # the watcher's store error
+
+    # -- the watcher ------------------------------------------------------------------
+
+    def watch(self, group):
+        """Start the watcher thread for the current epoch over group (the world group)."""
+        self.group = group
+        self.changed, self._failed = None, None
+        self._stop = threading.Event()
+        if self._watch_store is None:
+            from .store import TCPStore
+            host = "localhost" if self.store._server is not None else self.store.host
+            self._watch_store = TCPStore(host, self.store.port, is_master=False,
+                                         timeout=timedelta(seconds=30))
+        self._thread = threading.Thread(target=self._watch, args=(self.epoch, self._stop),
+                                        name="pyddp-elastic", daemon=True)
+        self._thread.start()
+
+    def _watch(self, epoch, stop):
+        key = f"{self.base}/{epoch}/change"
+        st = self._watch_store
+        try:
+            while not stop.is_set():
+                try:
+                    st.wait([key], timeout=_WATCH_POLL)
+                    break
+                except _C.DistTimeoutError:
+                    continue
+            if stop.is_set():
+                return
+            self.changed = st.get(key).decode(errors="replace")
+            self._abort(f"the elastic membership changed ({self.changed})")
+            self._answer(st, epoch)
+        except _C.DistError as e:
+            if stop.is_set():
+                return
+            self._failed = store_lost(self.store, e)
+            self.changed = self.changed or str(self._failed)
+            self._abort(str(self._failed))
+
+    def _abort(self, why):
+        g = self.group
+        pg = getattr(g, "_pg", None) if g is not None else None
+        if pg is not None:
+            pg.abort(why)
+
+    def _answer(self, st, epoch):
+        """This rank answers for epoch; the first to answer coordinates the next."""
+        reg = f"{self.base}/{epoch}/reg"
+        ticket = st.add(reg, 1)
+        st.set(f"{reg}/{ticket}", json.dumps({"id": self.me, "rank": self.rank}))
+        if ticket == 1:
+            self._coordinate(st, epoch)
+
+    def _coordinate(self, st, epoch):
+        """Close epoch's membership: the ranks that answered within the settle time (at
+        once when all did), then the waiting joiners; written to E/<epoch+1>/members."""
+        reg = f"{self.base}/{epoch}/reg"
+        deadline = time.monotonic() + _settle_s()
+        n = st.add(reg, 0)
+        while n < self.size and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            n = st.add(reg, 0)
+        answers = [json.loads(_get(st, f"{reg}/{t}")) for t in range(1, n + 1)]
+        answers.sort(key=lambda a: a["rank"])
+        ids = [a["id"] for a in answers]
+        waiting = st.add(f"{self.base}/join", 0)
+        joiners = list(range(self.joined_total, waiting))
+        for i in joiners:
+            ids.append(json.loads(_get(st, f"{self.base}/join/{i}"))["id"])
+        lost = sorted(set(range(self.size)) - {a["rank"] for a in answers})
+        st.set(f"{self.base}/{epoch + 1}/members",
+               json.dumps({"ids": ids, "lost": lost, "joined": waiting, "why": self.changed}))
+        for i in joiners:
+            st.set(f"{self.base}/join/{i}/epoch", str(epoch + 1))
+        st.set(LIVE_KEY, json.dumps({"base": self.base, "epoch": epoch + 1}))
+        log.warning("pyddp: elastic: world %d -> %d (%s; lost ranks %s, %d joined)",
+                    self.size, len(ids), self.changed, lost, len(joiners))
+
+    def stop(self):
+        """Stop the watcher (the job ends, or the epoch is over and handled)."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+        self._thread = None
+
+    def close(self):
+        self.stop()
+        if self._watch_store is not None:
+            self._watch_store.close()
+            self._watch_store = None
+
+    # -- the change ---------------------------------------------------------------------
+
+    def notice(self, why):
+        """End the current epoch: the watchers of every rank wake up."""
+        try:
+            self.store.set(f"{self.base}/{self.epoch}/change", why[:500])
+        except _C.DistError as e:
+            raise store_lost(self.store, e) from None
+
+    def pending_joiners(self):
+        """How many processes wait to join (rank 0 asks at each commit)."""
+        try:
+            return self.store.add(f"{self.base}/join", 0) - self.joined_total
+        except _C.DistError as e:
+            raise store_lost(self.store, e) from None
+
+    def _admission(self, timeout_s):
+        """A joiner's next_world: ask to join, wait for a commit of the job to admit it."""
+        st = self.store
+        i = st.add(f"{self.base}/join", 1) - 1
+        st.set(f"{self.base}/join/{i}", json.dumps({"id": self.me}))
+        log.warning("pyddp: elastic: waiting to be admitted into the job at %s:%s (at its "
+                    "next commit)", st.host, st.port)
+        key = f"{self.base}/join/{i}/epoch"
+        try:
+            st.wait([key], timeout=timedelta(seconds=timeout_s))
+        except _C.DistTimeoutError:
+            raise _C.DistTimeoutError(
+                f"the job at {st.host}:{st.port} did not admit this process within "
+                f"{timeout_s:.0f} s: it admits joiners at state.commit(); check that it is "
+                f"still running and commits") from None
+        self.epoch = int(st.get(key)) - 1
+
+    def next_world(self, timeout_s):
+        """After the current epoch ended (notice, or the watcher saw it), or on a joiner
+        not admitted yet: wait for the next epoch's members; returns (rank, size,
+        prefix, members record) of this process in it and moves to that epoch. Raises
+        StoreLost, or a DistError if this rank was left out."""
+        if self.epoch is None:
+            try:
+                self._admission(timeout_s)
+            except _C.DistTimeoutError:
+                raise
+            except _C.DistError as e:
+                raise store_lost(self.store, e) from None
+        t = self._thread
+        if t is not None:
+            t.join(timeout=_settle_s() + timeout_s)
+        self._thread = None
+        if self._failed is not None:
+            raise self._failed
+        key = f"{self.base}/{self.epoch + 1}/members"
+        try:
+            self.store.wait([key], timeout=timedelta(seconds=_settle_s() + timeout_s))
+            m = json.loads(self.store.get(key))
+        except _C.DistError as e:
+            raise store_lost(self.store, e) from None
+        if self.me not in m["ids"]:
+            raise _C.DistError(
+                f"rank {self.rank} was left out of the job's new membership: it answered "
+                f"the change ({m['why']}) after PYDDP_ELASTIC_SETTLE_S={_settle_s():g} s. "
+                f"Start it again with PYDDP_ELASTIC_JOIN to rejoin")
+        self.epoch += 1
+        self.rank, self.size = m["ids"].index(self.me), len(m["ids"])
+        self.joined_total = m["joined"]
+        return self.rank, self.size, f"{self.base}/{self.epoch}/pg", m
+
+
+def _get(st, key, timeout_s=10.0):
+    """A key another rank writes right after it took its ticket."""
+    st.wait([key], timeout=timedelta(seconds=timeout_s))
+    return st.get(key)
+
+
+def new_id():
+    """A process id unique in the job: host, pid and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def start(store, world_prefix, rank, size):
+    """The membership of a job's first ranks (epoch 0), published for joiners by rank 0."""
+    base = f"{world_prefix}/elastic"
+    m = Membership(store, base, 0, rank, size, 0, new_id())
+    if rank == 0:
+        store.set(LIVE_KEY, json.dumps({"base": base, "epoch": 0}))
+    return m
+
+
+def joiner(store):
+    """The membership of a process started to join the running job whose store is
+    store (PYDDP_ELASTIC_JOIN): not admitted yet (its epoch is None); next_world, called
+    when it enters pyddp.elastic.run, asks for admission and waits for it."""
+    try:
+        store.wait([LIVE_KEY], timeout=timedelta(seconds=min(store.timeout.total_seconds(),
+                                                             30)))
+    except _C.DistTimeoutError:
+        raise _C.DistError(
+            f"PYDDP_ELASTIC_JOIN={store.host}:{store.port}: that store holds no running "
+            f"in-place elastic job (nothing called pyddp.elastic.run there); check the "
+            f"address, or start the job itself with its normal launch line") from None
+    base = json.loads(store.get(LIVE_KEY))["base"]
+    return Membership(store, base, None, 0, 1, 0, new_id())
