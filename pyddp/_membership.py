@@ -71,14 +71,14 @@ class Membership:
         self._watch_store = None
         self._thread = None
         self._stop = threading.Event()
-        self._failed = None                   # the watcher's store error
+        self.store_error = None                   # the watcher's store error
 
     # -- the watcher ------------------------------------------------------------------
 
     def watch(self, group):
         """Start the watcher thread for the current epoch over group (the world group)."""
         self.group = group
-        self.changed, self._failed = None, None
+        self.changed, self.store_error = None, None
         self._stop = threading.Event()
         if self._watch_store is None:
             from .store import TCPStore
@@ -107,9 +107,9 @@ class Membership:
         except _C.DistError as e:
             if stop.is_set():
                 return
-            self._failed = store_lost(self.store, e)
-            self.changed = self.changed or str(self._failed)
-            self._abort(str(self._failed))
+            self.store_error = store_lost(self.store, e)
+            self.changed = self.changed or str(self.store_error)
+            self._abort(str(self.store_error))
 
     def _abort(self, why):
         g = self.group
@@ -213,8 +213,8 @@ class Membership:
         if t is not None:
             t.join(timeout=_settle_s() + timeout_s)
         self._thread = None
-        if self._failed is not None:
-            raise self._failed
+        if self.store_error is not None:
+            raise self.store_error
         key = f"{self.base}/{self.epoch + 1}/members"
         try:
             self.store.wait([key], timeout=timedelta(seconds=_settle_s() + timeout_s))

@@ -39,7 +39,9 @@ from ._objects import broadcast_object_list, all_gather_object
 
 log = logging.getLogger("pyddp")
 
-__all__ = ["State", "ObjectState", "TorchState", "NumPyState", "run", "joined"]
+__all__ = ["State", "ObjectState", "TorchState", "NumPyState", "run", "joined", "StoreLost"]
+
+StoreLost = _membership.StoreLost
 
 
 class _JoinersWaiting(Exception):
@@ -220,12 +222,17 @@ class NumPyState(State):
 
 
 def _is_change(e, m):
-    """Whether exception e is (or follows from) a membership change."""
+    """Whether exception e is (or follows from) a membership change. When the job's
+    store is lost (e itself, or the watcher saw it) it raises that error instead."""
+    if isinstance(e, _membership.StoreLost):
+        raise e
+    if m.store_error is not None:
+        raise m.store_error from e
     if m.changed is not None:
         return True
     if isinstance(e, (_C.CollectiveMismatchError, _C.BackendUnavailableError,
                       _C.VersionMismatchError, _C.AuthenticationError, _C.DistValueError,
-                      _C.DistTypeError, _membership.StoreLost)):
+                      _C.DistTypeError)):
         return False
     return isinstance(e, (_C.DistNetworkError, _C.DistBackendError, _C.DistTimeoutError))
 

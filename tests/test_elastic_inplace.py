@@ -1,0 +1,191 @@
+"""In-place elastic jobs on one host (no root needed): tests/workers/elastic_job.py in
+``inplace`` mode (pyddp.elastic), each rank a process of its own started with plain
+env:// variables (rank 0 hosts the store), killed by id to lose it, and processes
+started with PYDDP_ELASTIC_JOIN to grow the job again.
+
+Each epoch printed must use each sample exactly once at its world size, with
+bit-identical parameters and optimizer state on every rank; the survivors of a change
+go on in the same processes (their pids are in the next records); epochs are never
+skipped; the job finishes in every process still alive. The netns cases (a host of
+torchrun's launch line killed, vanished, returning) are in tests/test_elastic.py.
+"""
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from launch import PY, ROOT, WORKERS, free_port, kill_group, store_server  # noqa: E402
+
+N = 192
+JOB = os.path.join(WORKERS, "elastic_job.py")
+
+
+class LocalJob:
+    """The processes of one job on loopback; their output lines go to one queue."""
+
+    def __init__(self, tmp, step_s=0.05, mode="inplace", env=None):
+        self.port = free_port()
+        self.stop_file = str(tmp / "stop")
+        self.step_s, self.mode, self.env = step_s, mode, env or {}
+        self.q = queue.Queue()
+        self.procs = {}              # name -> Popen
+        self.records, self.lines = [], []
+
+    def start(self, name, rank=0, world=1, join=False):
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   **self.env)
+        if join:
+            env["PYDDP_ELASTIC_JOIN"] = f"127.0.0.1:{self.port}"
+        p = subprocess.Popen([PY, JOB, self.mode, str(self.step_s), self.stop_file], env=env,
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        self.procs[name] = p
+        threading.Thread(target=self._pump, args=(name, p), daemon=True).start()
+
+    def _pump(self, name, p):
+        for line in p.stdout:
+            self.q.put((name, line.rstrip("\n")))
+
+    def kill(self, *names):
+        for n in names:
+            kill_group(self.procs[n].pid)
+
+    def wait_for(self, pred, timeout, what):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                name, line = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.lines.append(f"[{name}] {line}")
+            if line.startswith("{"):
+                rec = json.loads(line)
+                self.records.append(rec)
+                if pred(rec):
+                    return rec
+        raise AssertionError(f"no {what} within {timeout} s\n" + "\n".join(self.lines[-60:]))
+
+    def wait_line(self, pred, timeout, what):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                name, line = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.lines.append(f"[{name}] {line}")
+            if line.startswith("{"):
+                self.records.append(json.loads(line))
+            if pred(name, line):
+                return name, line
+        raise AssertionError(f"no {what} within {timeout} s\n" + "\n".join(self.lines[-60:]))
+
+    def finish(self, names, timeout=60):
+        open(self.stop_file, "w").close()
+        deadline = time.monotonic() + timeout
+        for n in names:
+            try:
+                self.procs[n].wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{n} did not finish\n" + "\n".join(self.lines[-60:]))
+        time.sleep(0.3)
+        while not self.q.empty():
+            name, line = self.q.get()
+            self.lines.append(f"[{name}] {line}")
+            if line.startswith("{"):
+                self.records.append(json.loads(line))
+        for n in names:
+            assert self.procs[n].returncode == 0, (n, "\n".join(self.lines[-60:]))
+            assert any(ln.startswith(f"[{n}] done") for ln in self.lines), n
+
+    def close(self):
+        for p in self.procs.values():
+            kill_group(p.pid)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def check_records(records):
+    """Every epoch covers the data once with identical state on every rank, and the
+    epochs run 0, 1, 2, ... without a gap (an epoch cut short by a change is run again)."""
+    assert records
+    for rec in records:
+        assert rec["covered"] and rec["used"] == N, rec
+        assert len(rec["digests"]) == rec["world"] and len(set(rec["digests"])) == 1, rec
+    epochs = [r["epoch"] for r in records]
+    assert sorted(set(epochs)) == list(range(max(epochs) + 1)), epochs
+    for a, b in zip(epochs, epochs[1:]):
+        assert b in (a, a + 1) or b < a, epochs    # a repeat only after a change
+
+
+def test_inplace_ranks_lost_and_joined(tmp_path):
+    """4 ranks; rank 3 killed -> 3 go on in the same processes; ranks 1 and 2 killed
+    together -> rank 0 alone; two processes started with PYDDP_ELASTIC_JOIN -> 3 again,
+    the joiners holding the job's model and optimizer state; the job finishes."""
+    job = LocalJob(tmp_path)
+    try:
+        for r in range(4):
+            job.start(f"r{r}", r, 4)
+        first = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 90, "epoch at world 4")
+        pids = first["pids"]
+        job.kill("r3")
+        rec = job.wait_for(lambda r: r["world"] == 3, 30, "epoch at world 3 after rank 3 died")
+        assert rec["pids"] == pids[:3], (rec, pids)        # the same processes went on
+        job.kill("r1", "r2")
+        rec = job.wait_for(lambda r: r["world"] == 1, 30, "epoch at world 1")
+        assert rec["pids"] == pids[:1]
+        job.start("j1", join=True)
+        job.start("j2", join=True)
+        rec = job.wait_for(lambda r: r["world"] == 3, 60, "epoch at world 3 after two joined")
+        assert rec["pids"][0] == pids[0] and set(rec["pids"][1:]).isdisjoint(pids)
+        job.finish(["r0", "j1", "j2"])
+    finally:
+        job.close()
+    check_records(job.records)
+    assert job.records[-1]["world"] == 3
+
+
+def test_inplace_store_host_lost(tmp_path):
+    """Rank 0 hosts the store: when it dies the others fail with a clear error that names
+    the store, quickly, and do not hang."""
+    job = LocalJob(tmp_path)
+    try:
+        for r in range(3):
+            job.start(f"r{r}", r, 3)
+        job.wait_for(lambda r: r["epoch"] >= 1, 90, "epoch 1")
+        t0 = time.monotonic()
+        job.kill("r0")
+        for n in ("r1", "r2"):
+            job.procs[n].wait(timeout=30)
+        took = time.monotonic() - t0
+        out = "\n".join(job.lines)
+        for n in ("r1", "r2"):
+            assert job.procs[n].returncode != 0
+        job.wait_line(lambda n, ln: "store at 127.0.0.1" in ln and "stopped answering" in ln,
+                      5, "the store-lost error")
+        assert took < 20, (took, out[-3000:])
+    finally:
+        job.close()
+
+
+def test_inplace_joiner_without_a_job():
+    """PYDDP_ELASTIC_JOIN naming a store that holds no in-place job: a clear error."""
+    srv, port = store_server()
+    try:
+        env = dict(os.environ, PYTHONPATH=ROOT, PYDDP_ELASTIC_JOIN=f"127.0.0.1:{port}",
+                   PYDDP_TIMEOUT="3")
+        r = subprocess.run([PY, "-c", "import pyddp; pyddp.init_process_group('cpu')"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert "holds no running in-place elastic job" in r.stderr, r.stderr[-2000:]
+    finally:
+        kill_group(srv.pid)
+        srv.communicate()
