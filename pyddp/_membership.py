@@ -15,8 +15,10 @@ and a key space ``E`` (``<the world's key prefix>/elastic``) in the job's store:
   started waiting, then writes ``E/<e+1>/members``: the ranks that answered (in their
   old order, so rank 0 stays rank 0 while it lives), then the nodes waiting to join.
 * ``E/join`` (a counter) and ``E/join/<i>``: processes started to join a running job
-  (PYDDP_ELASTIC_JOIN); ``E/join/<i>/epoch`` tells one it was admitted, and into which
-  epoch. ``/pyddp/elastic/live`` names ``E``, so a joiner needs only the store address.
+  (PYDDP_ELASTIC_JOIN), with their node and local rank: a node is admitted once all
+  its local ranks wait, all together; ``E/join/<i>/epoch`` tells one it was admitted,
+  and into which epoch (or ``done``: the job ended first). ``/pyddp/elastic/live``
+  names ``E``, so a joiner needs only the store address.
 
 Every member of ``E/<e+1>/members`` then makes the new world group under the prefix
 ``E/<e+1>/pg`` (dense ranks, the members' order); a rank that answered too late finds
@@ -32,7 +34,7 @@ import time
 import uuid
 from datetime import timedelta
 
-from . import _C
+from . import _C, _env
 
 log = logging.getLogger("pyddp")
 
@@ -62,10 +64,11 @@ class Membership:
     watches, and the outcome of the change that ended the epoch (see the module's
     docstring). Made by :func:`start` (the job's first ranks) or :func:`join`."""
 
-    def __init__(self, store, base, epoch, rank, size, joined_total, me):
+    def __init__(self, store, base, epoch, rank, size, admitted, me):
         self.store, self.base, self.me = store, base, me
         self.epoch, self.rank, self.size = epoch, rank, size
-        self.joined_total = joined_total      # joiners admitted so far (E/join's count)
+        self.admitted = set(admitted)         # the E/join indices admitted so far
+        self.founder = epoch is not None      # started with the job, not joined
         self.changed = None                   # why the current epoch ended, once it has
         self.group = None
         self._watch_store = None
@@ -137,14 +140,14 @@ class Membership:
         answers = [json.loads(_get(st, f"{reg}/{t}")) for t in range(1, n + 1)]
         answers.sort(key=lambda a: a["rank"])
         ids = [a["id"] for a in answers]
-        waiting = st.add(f"{self.base}/join", 0)
-        joiners = list(range(self.joined_total, waiting))
-        for i in joiners:
-            ids.append(json.loads(_get(st, f"{self.base}/join/{i}"))["id"])
+        joiners = ready_joiners(st, self.base, self.admitted)
+        ids += [r["id"] for _, r in joiners]
         lost = sorted(set(range(self.size)) - {a["rank"] for a in answers})
+        admitted = sorted(self.admitted | {i for i, _ in joiners})
         st.set(f"{self.base}/{epoch + 1}/members",
-               json.dumps({"ids": ids, "lost": lost, "joined": waiting, "why": self.changed}))
-        for i in joiners:
+               json.dumps({"ids": ids, "lost": lost, "admitted": admitted,
+                           "why": self.changed}))
+        for i, _ in joiners:
             st.set(f"{self.base}/join/{i}/epoch", str(epoch + 1))
         st.set(LIVE_KEY, json.dumps({"base": self.base, "epoch": epoch + 1}))
         log.warning("pyddp: elastic: world %d -> %d (%s; lost ranks %s, %d joined)",
@@ -174,17 +177,38 @@ class Membership:
             raise store_lost(self.store, e) from None
 
     def pending_joiners(self):
-        """How many processes wait to join (rank 0 asks at each commit)."""
+        """How many processes wait to join whose node is complete (rank 0 asks at each
+        commit: one store request when nobody waits)."""
         try:
-            return self.store.add(f"{self.base}/join", 0) - self.joined_total
+            if self.store.add(f"{self.base}/join", 0) <= len(self.admitted):
+                return 0
+            return len(ready_joiners(self.store, self.base, self.admitted))
         except _C.DistError as e:
             raise store_lost(self.store, e) from None
+
+    def finish(self):
+        """The job is over (rank 0, when run() returns): processes still waiting to
+        join, and any that come later, are told so instead of waiting."""
+        st = self.store
+        try:
+            st.set(LIVE_KEY, json.dumps({"base": self.base, "epoch": self.epoch,
+                                         "done": True}))
+            for i in range(st.add(f"{self.base}/join", 0)):
+                if i not in self.admitted:
+                    st.set(f"{self.base}/join/{i}/epoch", "done")
+        except _C.DistError as e:
+            log.warning("pyddp: elastic: could not tell waiting joiners that the job "
+                        "ended (%s)", e)
 
     def _admission(self, timeout_s):
         """A joiner's next_world: ask to join, wait for a commit of the job to admit it."""
         st = self.store
+        if json.loads(st.get(LIVE_KEY)).get("done"):
+            raise JobFinished()
         i = st.add(f"{self.base}/join", 1) - 1
-        st.set(f"{self.base}/join/{i}", json.dumps({"id": self.me}))
+        st.set(f"{self.base}/join/{i}", json.dumps(
+            {"id": self.me, "node": _node_key(), "local_rank": _env.local_rank(),
+             "local_size": _env.local_world_size()}))
         log.warning("pyddp: elastic: waiting to be admitted into the job at %s:%s (at its "
                     "next commit)", st.host, st.port)
         key = f"{self.base}/join/{i}/epoch"
@@ -195,7 +219,10 @@ class Membership:
                 f"the job at {st.host}:{st.port} did not admit this process within "
                 f"{timeout_s:.0f} s: it admits joiners at state.commit(); check that it is "
                 f"still running and commits") from None
-        self.epoch = int(st.get(key)) - 1
+        got = st.get(key)
+        if got == b"done":
+            raise JobFinished()
+        self.epoch = int(got) - 1
 
     def next_world(self, timeout_s):
         """After the current epoch ended (notice, or the watcher saw it), or on a joiner
@@ -228,8 +255,35 @@ class Membership:
                 f"Start it again with PYDDP_ELASTIC_JOIN to rejoin")
         self.epoch += 1
         self.rank, self.size = m["ids"].index(self.me), len(m["ids"])
-        self.joined_total = m["joined"]
+        self.admitted = set(m["admitted"])
         return self.rank, self.size, f"{self.base}/{self.epoch}/pg", m
+
+
+class JobFinished(Exception):
+    """A joiner's job ended before admitting it."""
+
+
+def _node_key():
+    """The same for the processes one launcher started on one node: its run id (a
+    fresh one per torchrun --standalone) and the host."""
+    return f"{socket.gethostname()}/{_env.elastic_attempt()[0]}/{os.getppid()}"
+
+
+def ready_joiners(st, base, admitted):
+    """[(index, record)] of the processes waiting to join whose node is complete (all
+    its local ranks are waiting), in join order of the nodes and local rank within
+    one: a node is admitted whole, so its ranks are adjacent."""
+    n = st.add(f"{base}/join", 0)
+    nodes = {}
+    for i in range(n):
+        if i not in admitted:
+            r = json.loads(_get(st, f"{base}/join/{i}"))
+            nodes.setdefault(r["node"], []).append((i, r))
+    ready = []
+    for members in nodes.values():
+        if len(members) >= members[0][1]["local_size"]:
+            ready += sorted(members, key=lambda m: m[1]["local_rank"])
+    return ready
 
 
 def _get(st, key, timeout_s=10.0):
@@ -246,10 +300,27 @@ def new_id():
 def start(store, world_prefix, rank, size):
     """The membership of a job's first ranks (epoch 0), published for joiners by rank 0."""
     base = f"{world_prefix}/elastic"
-    m = Membership(store, base, 0, rank, size, 0, new_id())
+    m = Membership(store, base, 0, rank, size, (), new_id())
     if rank == 0:
         store.set(LIVE_KEY, json.dumps({"base": base, "epoch": 0}))
     return m
+
+
+def torch_worker_store(rdzv_store, rdzv_id, rounds=256):
+    """(host, port) of the store that torchrun's agents share with their workers, read
+    from the c10d rendezvous store at the endpoint (rdzv_store): the rank-0 agent
+    publishes it as ``torch.rendezvous.<rdzv id>.<round>/MASTER_ADDR`` and
+    ``.../MASTER_PORT`` when it makes it; the newest round that has it wins. None when no
+    round has it (the endpoint is then taken to be the job's store itself)."""
+    newest = None
+    for r in range(rounds):
+        if rdzv_store.check([f"torch.rendezvous.{rdzv_id}.{r}/MASTER_ADDR"]):
+            newest = r
+    if newest is None:
+        return None
+    pre = f"torch.rendezvous.{rdzv_id}.{newest}"
+    return (rdzv_store.get(f"{pre}/MASTER_ADDR").decode(),
+            int(rdzv_store.get(f"{pre}/MASTER_PORT")))
 
 
 def joiner(store):
@@ -265,4 +336,4 @@ def joiner(store):
             f"in-place elastic job (nothing called pyddp.elastic.run there); check the "
             f"address, or start the job itself with its normal launch line") from None
     base = json.loads(store.get(LIVE_KEY))["base"]
-    return Membership(store, base, None, 0, 1, 0, new_id())
+    return Membership(store, base, None, 0, 1, (), new_id())

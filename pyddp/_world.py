@@ -169,13 +169,22 @@ def _join_elastic(be, backend, timeout_s, device_id):
     that the script builds its model, DDP and optimizer without holding the job up."""
     from . import _membership
     addr = _C.setting_text("PYDDP_ELASTIC_JOIN").strip()
-    host, _, port = addr.rpartition(":")
+    where, _, rdzv_id = addr.partition("/")
+    host, _, port = where.rpartition(":")
     if not host or not port.isdigit():
         raise _C.DistValueError(f"PYDDP_ELASTIC_JOIN={addr!r}: expected host:port of the "
-                                f"job's store (its rendezvous endpoint)")
+                                f"job's store (the static form's --master_addr:--master_port), "
+                                f"or host:port/<rdzv id> of the c10d form's --rdzv-endpoint "
+                                f"and --rdzv-id")
     host = host.strip("[]")
     store = TCPStore(host, int(port), is_master=False, timeout=_td(timeout_s))
     try:
+        if rdzv_id:
+            found = _membership.torch_worker_store(store, rdzv_id)
+            if found is not None:
+                store.close()
+                host, port = found
+                store = TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
         mem = _membership.joiner(store)
         _State.device_id = device_id
         prefix = f"{mem.base}/solo/{mem.me}"

@@ -253,20 +253,46 @@ def _reset(m, state, why):
     state.on_reset()
 
 
+def _finish(m):
+    """The job is over (collective): rank 0 tells waiting joiners, and checks in at
+    torchrun's exit barrier for the agents of lost founder nodes (``_agents``)."""
+    from . import _agents
+    g = _require()
+    facts = [None] * g.size
+    mine = _agents.node_facts() if m.founder else None
+    if g.size > 1:
+        all_gather_object(facts, mine)
+    else:
+        facts = [mine]
+    if g.rank == 0:
+        m.finish()
+        founders = [f for f in facts if f is not None]
+        if founders:
+            _agents.check_in_for_lost(_State.store, {f[0] for f in founders}, founders[0][1])
+
+
 def run(func):
     """Decorate the training function ``func(state, ...)``: it is called once, and
     again after each membership change, until it returns (its value is returned). The
-    state is synced from rank 0 on the first call (from the job on a joiner)."""
+    state is synced from rank 0 on the first call. In a process started to join
+    (PYDDP_ELASTIC_JOIN) the call first waits for admission and syncs from the job; if
+    the job ends first, it returns None without calling func."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         m = _membership_of_job()
         if m.epoch is None:           # started to join: admitted now, then synced
-            _reset(m, state, "joined the job")
+            try:
+                _reset(m, state, "joined the job")
+            except _membership.JobFinished:
+                log.warning("pyddp: elastic: the job ended before it admitted this process")
+                return None
         else:
             state.sync()
         while True:
             try:
-                return func(state, *args, **kwargs)
+                out = func(state, *args, **kwargs)
+                _finish(m)
+                return out
             except _JoinersWaiting:
                 why = "nodes joined"
             except BaseException as e:

@@ -7,6 +7,10 @@ in its own namespace, running tests/workers/elastic_job.py.
   checkpoint on any node (each host has a directory of its own), with
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (down and up) and with the agent's shared
   store (down: up is torchrun's own defect there, see docs/elastic.md).
+* in place (pyddp.elastic, the agent's shared store): a host killed and started again
+  with the joining line (PYDDP_ELASTIC_JOIN, torchrun --standalone); on 3 hosts one
+  vanishing (its switch port down) and then one killed. The survivors' process ids
+  must stay the same across every change.
 
 Every epoch printed must use each sample exactly once at its world size, with the same
 parameters and optimizer state on every rank, and the job must finish on every host.
@@ -48,22 +52,28 @@ class Job:
         self.records = []
         self.lines = []
 
-    def start(self, i):
+    def start(self, i, join=False):
+        """Host i runs the job's launch line; join: the line that joins a running
+        in-place job (PYDDP_ELASTIC_JOIN=<endpoint> torchrun --standalone ...)."""
         h = self.b.hosts[i]
         ckpt = self.tmp / f"ckpt{i}"
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", CKPT_DIR=str(ckpt),
                    OMP_NUM_THREADS="1", **self.env)
         for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                  "TORCHELASTIC_USE_AGENT_STORE"):
+                  "TORCHELASTIC_USE_AGENT_STORE", "PYDDP_ELASTIC_JOIN"):
             env.pop(k, None)
-        cmd = exec_prefix(h.ns) + [
-            PY, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
-            "--nproc_per_node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.b.hosts[0].addr}:{self.port}", "--rdzv-id=job",
-            "--max-restarts=6", "--monitor-interval=0.5", f"--local-addr={h.addr}",
-            "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
-            f"is_host={int(i == 0)}",
-            JOB, self.mode, str(self.step_s), self.stop_file]
+        endpoint = f"{self.b.hosts[0].addr}:{self.port}"
+        if join:
+            env["PYDDP_ELASTIC_JOIN"] = f"{endpoint}/job"
+            launch = ["--standalone", "--nproc_per_node=2"]
+        else:
+            launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--max-restarts=6",
+                      "--monitor-interval=0.5", f"--local-addr={h.addr}",
+                      "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,"
+                      f"keep_alive_max_attempt=3,is_host={int(i == 0)}"]
+        cmd = exec_prefix(h.ns) + [PY, "-m", "torch.distributed.run", *launch,
+                                   JOB, self.mode, str(self.step_s), self.stop_file]
         p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.procs[i] = p
@@ -84,6 +94,12 @@ class Job:
                 os.kill(int(pid), 9)
             except ProcessLookupError:
                 pass
+
+    def vanish(self, i):
+        """Host i drops off the network (its switch port goes down): no FIN, no RST,
+        its processes go on running."""
+        subprocess.run(["ip", "-n", self.b.switch, "link", "set", self.b.ports[i], "down"],
+                       check=True, capture_output=True, timeout=20)
 
     def wait_for(self, pred, timeout, what):
         """Read lines until pred(record) holds for a new JSON record; return it."""
@@ -176,3 +192,60 @@ def test_restart_based_host_lost_with_the_agents_store(tmp_path):
     """torchrun's default (the agent's shared store, keys of every round in it): losing
     a host shrinks the job, which goes on on the survivor."""
     _run(_restart_down, 2, tmp_path, {}, False)
+
+
+def _same_processes(rec, pids):
+    assert rec["pids"] == pids, (rec, pids)
+
+
+def _inplace_lost_and_back(b, tmp):
+    """In place, agent's store: host 1 killed; its survivors go on in the same
+    processes; host 1 started again with the joining line is admitted."""
+    job = Job(b, "inplace", tmp, "1:2")
+    try:
+        job.start(0)
+        job.start(1)
+        pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 120,
+                            "epoch at world 4")["pids"]
+        job.kill(1)
+        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
+                                     "epoch at world 2 after host 1 was killed"), pids[:2])
+        job.start(1, join=True)
+        rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 joined")
+        assert rec["pids"][:2] == pids[:2]
+        job.finish([0, 1])
+    finally:
+        job.close()
+    job.check_epochs()
+    epochs = sorted({r["epoch"] for r in job.records})
+    assert epochs == list(range(epochs[-1] + 1)), epochs
+
+
+def test_inplace_host_lost_and_back(tmp_path):
+    """The issue's scenario in place: no worker restarts on either change."""
+    _run(_inplace_lost_and_back, 2, tmp_path)
+
+
+def _inplace_three_hosts(b, tmp):
+    """3 hosts x 2 ranks in place: host 2 vanishes (noticed within PYDDP_PEER_DEAD_S),
+    then host 1 is killed; the job goes on at 4, then 2 ranks, and finishes."""
+    job = Job(b, "inplace", tmp, "1:3", {"PYDDP_PEER_DEAD_S": "3"})
+    try:
+        for i in range(3):
+            job.start(i)
+        pids = job.wait_for(lambda r: r["world"] == 6 and r["epoch"] >= 1, 150,
+                            "epoch at world 6")["pids"]
+        job.vanish(2)
+        _same_processes(job.wait_for(lambda r: r["world"] == 4, 60,
+                                     "epoch at world 4 after host 2 vanished"), pids[:4])
+        job.kill(1)
+        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
+                                     "epoch at world 2 after host 1 was killed"), pids[:2])
+        job.finish([0])
+    finally:
+        job.close()
+    job.check_epochs()
+
+
+def test_inplace_three_hosts_vanished_and_killed(tmp_path):
+    _run(_inplace_three_hosts, 3, tmp_path)
