@@ -206,7 +206,8 @@ class NumPyState(State):
         super().__init__(**kwargs)
 
     def _arrays(self):
-        return {k: getattr(v, "data", v) for k, v in self.arrays.items()}
+        return {k: v if hasattr(v, "shape") and hasattr(v, "dtype") else v.data
+                for k, v in self.arrays.items()}
 
     def _save(self):
         return {k: np.array(a, copy=True) for k, a in self._arrays().items()}

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import pyddp
@@ -548,3 +549,48 @@ def test_ctrl_c_aborts_a_hung_collective(fakes, where, op):
     assert r["got"] == "KeyboardInterrupt" and r["seconds"] < 30
     assert "ncclCommAbort" in r["log"]
     assert r["after"][0] == "DistBackendError" and "interrupted" in r["after"][1]
+
+
+def test_elastic_in_place_rebuilds_the_nccl_communicator(fakes, tmp_path):
+    """pyddp.elastic on the NCCL path: rank 2 of 3 dies; the survivors abort their
+    communicator, set up one of 2 ranks through the new group's store keys, roll back to
+    their last commit and finish with identical parameters (the host gradients' sum
+    over the 2 survivors from then on, checked against NumPy)."""
+    from launch import free_port
+    port = free_port()
+    procs = []
+    for r in range(3):
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
+                   PYDDP_NCCL_LIBRARY=fakes["nccl"], PYDDP_CUDART_LIBRARY=fakes["cudart"],
+                   FAKE_LOG=str(tmp_path / f"log{r}"), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="3", LOCAL_RANK="0",
+                   PYDDP_ELASTIC_SETTLE_S="0.5")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "workers",
+                                                                    "elastic_nccl.py")],
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+    assert procs[2].returncode == 1
+    results = []
+    for r in (0, 1):
+        assert procs[r].returncode == 0, outs[r][-3000:]
+        line = [x for x in outs[r].splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT "):]))
+    # reference: steps 0..5 at world 3 (step 5 is cut short and rolled back to the
+    # commit after step 3, so 3..5 run again at world 2), then to 12 at world 2
+    w = np.zeros(16)
+    for step in range(12):
+        world = 3 if step < 3 else 2
+        g = np.arange(16, dtype=np.float64) * (step + 1)
+        w -= 0.01 * (g * world) / world            # the sum over ranks / world size
+    for res in results:
+        assert res["world"] == 2 and res["step"] == 12
+        assert len(set(res["digests"])) == 1, res
+        assert np.array_equal(np.array(res["w"]), w), (res["w"], w.tolist())
+        assert [x.split()[1] for x in res["inits"]] == ["nranks=3", "nranks=2"], res["inits"]
+        assert res["aborts"] >= 1
