@@ -41,8 +41,9 @@ class Job:
     """The hosts' torchrun processes of one job; every output line, tagged with its
     host, goes to one queue; the JSON epoch records are kept in order."""
 
-    def __init__(self, bridged, mode, tmp, nnodes, env=None, step_s=0.05):
+    def __init__(self, bridged, mode, tmp, nnodes, env=None, step_s=0.05, static=False):
         self.b, self.mode, self.tmp, self.nnodes = bridged, mode, tmp, nnodes
+        self.static = static     # the first launch form (--node_rank, --master_addr)
         self.env, self.step_s = env or {}, step_s
         self.port = free_port()
         self.stop_file = str(tmp / "stop")
@@ -64,8 +65,12 @@ class Job:
             env.pop(k, None)
         endpoint = f"{self.b.hosts[0].addr}:{self.port}"
         if join:
-            env["PYDDP_ELASTIC_JOIN"] = f"{endpoint}/job"
+            env["PYDDP_ELASTIC_JOIN"] = endpoint if self.static else f"{endpoint}/job"
             launch = ["--standalone", "--nproc_per_node=2"]
+        elif self.static:
+            launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", f"--node_rank={i}",
+                      f"--master_addr={self.b.hosts[0].addr}", f"--master_port={self.port}",
+                      "--monitor-interval=0.5", f"--local-addr={h.addr}"]
         else:
             launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", "--rdzv-backend=c10d",
                       f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--max-restarts=6",
@@ -198,10 +203,10 @@ def _same_processes(rec, pids):
     assert rec["pids"] == pids, (rec, pids)
 
 
-def _inplace_lost_and_back(b, tmp):
+def _inplace_lost_and_back(b, tmp, static=False):
     """In place, agent's store: host 1 killed; its survivors go on in the same
     processes; host 1 started again with the joining line is admitted."""
-    job = Job(b, "inplace", tmp, "1:2")
+    job = Job(b, "inplace", tmp, "2" if static else "1:2", static=static)
     try:
         job.start(0)
         job.start(1)
@@ -224,6 +229,13 @@ def _inplace_lost_and_back(b, tmp):
 def test_inplace_host_lost_and_back(tmp_path):
     """The issue's scenario in place: no worker restarts on either change."""
     _run(_inplace_lost_and_back, 2, tmp_path)
+
+
+def test_inplace_static_form_host_lost_and_back(tmp_path):
+    """The first seed's line (--nnodes=2 --node_rank=i --master_addr --master_port) in
+    place: its world size is fixed for torchrun, but pyddp's survivors go on without the
+    lost host and admit it again (PYDDP_ELASTIC_JOIN=<master_addr>:<master_port>)."""
+    _run(_inplace_lost_and_back, 2, tmp_path, True)
 
 
 def _inplace_three_hosts(b, tmp):
