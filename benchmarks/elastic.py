@@ -16,7 +16,8 @@ torchrun --standalone``; restart: the same line). Printed for each mode:
 * survivors held up by the join: the longest gap between two steps of rank 0 around it.
 
 Restart runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the only way it can grow back,
-see docs/elastic.md); in place with torchrun's default store.
+see docs/elastic.md) and --max-restarts=6; in place with torchrun's default store and
+--max-restarts=0, the launch lines docs/elastic.md gives for each mode.
 """
 import argparse
 import json
@@ -176,7 +177,8 @@ class _Job:
         else:
             launch = ["--nnodes=1:2", "--nproc_per_node=2", "--rdzv-backend=c10d",
                       f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
-                      "--max-restarts=6", "--monitor-interval=0.5",
+                      f"--max-restarts={0 if self.mode == 'inplace' else 6}",
+                      "--monitor-interval=0.5",
                       "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,"
                       f"keep_alive_max_attempt=3,is_host={int(node == 0)}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", *launch, HERE, "--worker",

@@ -43,6 +43,7 @@ class _State:
     joined = False         # admitted into a running elastic job, state not synced yet
     membership = None      # the in-place elastic job's _membership.Membership
     master_addr = None     # the store's host: the route the advertised address takes
+    world_backend = None   # (backend, backend_name) of the world an elastic change rebuilds
 
 
 class WORLD:

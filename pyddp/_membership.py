@@ -10,10 +10,13 @@ and a key space ``E`` (``<the world's key prefix>/elastic``) in the job's store:
   that key: it aborts the process group at once, so that a collective in flight on any
   rank fails now, and answers for its rank even while the main thread computes.
 * ``E/<e>/reg`` (a counter) and ``E/<e>/reg/<ticket>``: each live rank's answer (its
-  process id and its rank in epoch ``e``). The rank with ticket 1 coordinates: it
-  waits until every rank of epoch ``e`` answered, or PYDDP_ELASTIC_SETTLE_S after it
-  started waiting, then writes ``E/<e+1>/members``: the ranks that answered (in their
-  old order, so rank 0 stays rank 0 while it lives), then the nodes waiting to join.
+  process id and its rank in epoch ``e``). Once every rank of epoch ``e`` answered, or
+  PYDDP_ELASTIC_SETTLE_S after a rank answered, ``E/<e>/proposal`` names the ranks that
+  answered and the nodes waiting to join; each proposed rank confirms under
+  ``E/<e>/ok/<id>``, and ``E/<e+1>/members`` lists those that confirmed (in their old
+  order, so rank 0 stays rank 0 while it lives), then the joiners. Every answering rank
+  can write these (compare_set: the first value stands), so losing any rank during a
+  change, the first to answer included, does not stall it (``Membership._answer``).
 * ``E/join`` (a counter) and ``E/join/<i>``: processes started to join a running job
   (PYDDP_ELASTIC_JOIN), with their node and local rank: a node is admitted once all
   its local ranks wait, all together; ``E/join/<i>/epoch`` tells one it was admitted,
@@ -121,32 +124,56 @@ class Membership:
             pg.abort(why)
 
     def _answer(self, st, epoch):
-        """This rank answers for epoch; the first to answer coordinates the next."""
-        reg = f"{self.base}/{epoch}/reg"
+        """This rank answers for epoch, then takes part in closing it (every answering
+        rank runs the same steps; compare_set makes one value win at each, so the loss
+        of any rank meanwhile, the first to answer included, cannot stall the change):
+
+        1. proposal: the ranks that answered within the settle time (at once when all
+           did), then the joiners whose node is complete;
+        2. each proposed rank confirms that it is still alive (a worker its launcher is
+           stopping answers first and dies a moment later);
+        3. members: the proposed ranks that confirmed within the settle time (at once
+           when all did), then the joiners; written to E/<epoch+1>/members.
+
+        A rank later in the answering order waits a little longer before it writes a
+        value itself, so that normally the first one's stands."""
+        base = f"{self.base}/{epoch}"
+        reg, prop_key = f"{base}/reg", f"{base}/proposal"
+        members_key = f"{self.base}/{epoch + 1}/members"
         ticket = st.add(reg, 1)
         st.set(f"{reg}/{ticket}", json.dumps({"id": self.me, "rank": self.rank}))
-        if ticket == 1:
-            self._coordinate(st, epoch)
-
-    def _coordinate(self, st, epoch):
-        """Close epoch's membership: the ranks that answered within the settle time (at
-        once when all did), then the waiting joiners; written to E/<epoch+1>/members."""
-        reg = f"{self.base}/{epoch}/reg"
-        deadline = time.monotonic() + _settle_s()
+        settle, lag = _settle_s(), 0.2 * (ticket - 1)
+        deadline = time.monotonic() + settle + lag
         n = st.add(reg, 0)
-        while n < self.size and time.monotonic() < deadline:
+        while n < self.size and time.monotonic() < deadline and not st.check([prop_key]):
             time.sleep(_POLL_S)
             n = st.add(reg, 0)
-        answers = [json.loads(_get(st, f"{reg}/{t}")) for t in range(1, n + 1)]
-        answers.sort(key=lambda a: a["rank"])
-        ids = [a["id"] for a in answers]
-        joiners = ready_joiners(st, self.base, self.admitted)
-        ids += [r["id"] for _, r in joiners]
-        lost = sorted(set(range(self.size)) - {a["rank"] for a in answers})
+        if not st.check([prop_key]):
+            answers = [json.loads(_get(st, f"{reg}/{t}")) for t in range(1, n + 1)]
+            answers.sort(key=lambda x: x["rank"])
+            joiners = ready_joiners(st, self.base, self.admitted)
+            st.compare_set(prop_key, "", json.dumps(
+                {"answers": answers, "joiners": [[i, r["id"]] for i, r in joiners]}))
+        prop = json.loads(st.get(prop_key))
+        answered = [x["id"] for x in prop["answers"]]
+        if self.me in answered:
+            st.set(f"{base}/ok/{self.me}", "1")
+        oks = [f"{base}/ok/{i}" for i in answered]
+        deadline = time.monotonic() + settle + lag
+        while time.monotonic() < deadline and not st.check(oks) and \
+                not st.check([members_key]):
+            time.sleep(_POLL_S)
+        if st.check([members_key]):
+            return
+        alive = [x for x in prop["answers"] if st.check([f"{base}/ok/{x['id']}"])]
+        joiners = prop["joiners"]
+        ids = [x["id"] for x in alive] + [j for _, j in joiners]
+        lost = sorted(set(range(self.size)) - {x["rank"] for x in alive})
         admitted = sorted(self.admitted | {i for i, _ in joiners})
-        st.set(f"{self.base}/{epoch + 1}/members",
-               json.dumps({"ids": ids, "lost": lost, "admitted": admitted,
-                           "why": self.changed}))
+        record = json.dumps({"ids": ids, "lost": lost, "admitted": admitted,
+                             "why": self.changed})
+        if st.compare_set(members_key, "", record).decode() != record:
+            return                                  # another rank's value stands
         for i, _ in joiners:
             st.set(f"{self.base}/join/{i}/epoch", str(epoch + 1))
         st.set(LIVE_KEY, json.dumps({"base": self.base, "epoch": epoch + 1}))

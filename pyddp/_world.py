@@ -205,16 +205,20 @@ def rebuild_world(rank, size, prefix, why):
     under prefix, this process being rank (collective over the new members). Groups made
     from the old one raise from now on; a rendezvous that does not complete within
     PYDDP_ELASTIC_SETTLE_S + 30 s (a member lost meanwhile) raises."""
-    old = _State.pg
+    old = _State.pg             # None after a rebuild that failed
     retire_groups(f"a group made before the elastic membership change ({why}); make it "
                   f"again after the change, in a reset callback")
-    old._destroy()
+    if old is not None:
+        old._destroy()
     timeout_s = _State.timeout_s
     _State.pg = None
-    g = _make_group(_State.store, rank, size, prefix, timeout_s, old.backend,
+    if old is not None:
+        _State.world_backend = (old.backend, old.backend_name)
+    backend, backend_name = _State.world_backend
+    g = _make_group(_State.store, rank, size, prefix, timeout_s, backend,
                     _State.master_addr, rdzv_timeout_s=min(timeout_s, 30 + float(
                         _C.setting("PYDDP_ELASTIC_SETTLE_S"))))
-    g.backend_name = old.backend_name
+    g.backend_name = backend_name
     _State.pg, _State.rank, _State.world_size, _State.prefix = g, rank, size, prefix
     _State.groups_made, _State.made = 0, []
     return g

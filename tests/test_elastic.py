@@ -8,8 +8,9 @@ in its own namespace, running tests/workers/elastic_job.py.
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (down and up) and with the agent's shared
   store (down: up is torchrun's own defect there, see docs/elastic.md).
 * in place (pyddp.elastic, the agent's shared store): a host killed and started again
-  with the joining line (PYDDP_ELASTIC_JOIN, torchrun --standalone); on 3 hosts one
-  vanishing (its switch port down) and then one killed. The survivors' process ids
+  with the joining line (PYDDP_ELASTIC_JOIN, torchrun --standalone), in both launch
+  forms; on 3 hosts one vanishing (its switch port down), then one worker of another
+  dying (its agent, with --max-restarts=0, takes that host out). The survivors' process ids
   must stay the same across every change.
 
 Every epoch printed must use each sample exactly once at its world size, with the same
@@ -70,10 +71,11 @@ class Job:
         elif self.static:
             launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", f"--node_rank={i}",
                       f"--master_addr={self.b.hosts[0].addr}", f"--master_port={self.port}",
-                      "--monitor-interval=0.5", f"--local-addr={h.addr}"]
+                      "--max-restarts=0", "--monitor-interval=0.5", f"--local-addr={h.addr}"]
         else:
             launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--max-restarts=6",
+                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=job",
+                      f"--max-restarts={0 if self.mode == 'inplace' else 6}",
                       "--monitor-interval=0.5", f"--local-addr={h.addr}",
                       "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,"
                       f"keep_alive_max_attempt=3,is_host={int(i == 0)}"]
@@ -99,6 +101,22 @@ class Job:
                 os.kill(int(pid), 9)
             except ProcessLookupError:
                 pass
+
+    def kill_worker(self, i):
+        """One worker process of host i dies (its agent, with --max-restarts=0, then
+        stops the host's other workers and exits)."""
+        r = subprocess.run(["ip", "netns", "pids", self.b.hosts[i].ns], capture_output=True,
+                           text=True, timeout=20)
+        for pid in r.stdout.split():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if argv[1:2] != [b"-m"] and any(a.endswith(b"elastic_job.py") for a in argv):
+                os.kill(int(pid), 9)
+                return
+        raise AssertionError(f"no worker of host {i} found")
 
     def vanish(self, i):
         """Host i drops off the network (its switch port goes down): no FIN, no RST,
@@ -240,7 +258,8 @@ def test_inplace_static_form_host_lost_and_back(tmp_path):
 
 def _inplace_three_hosts(b, tmp):
     """3 hosts x 2 ranks in place: host 2 vanishes (noticed within PYDDP_PEER_DEAD_S),
-    then host 1 is killed; the job goes on at 4, then 2 ranks, and finishes."""
+    then one worker of host 1 dies (its agent takes the host out); the job goes on at 4,
+    then 2 ranks, and finishes."""
     job = Job(b, "inplace", tmp, "1:3", {"PYDDP_PEER_DEAD_S": "3"})
     try:
         for i in range(3):
@@ -250,14 +269,15 @@ def _inplace_three_hosts(b, tmp):
         job.vanish(2)
         _same_processes(job.wait_for(lambda r: r["world"] == 4, 60,
                                      "epoch at world 4 after host 2 vanished"), pids[:4])
-        job.kill(1)
+        job.kill_worker(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
-                                     "epoch at world 2 after host 1 was killed"), pids[:2])
+                                     "epoch at world 2 after a worker of host 1 died"),
+                        pids[:2])
         job.finish([0])
     finally:
         job.close()
     job.check_epochs()
 
 
-def test_inplace_three_hosts_vanished_and_killed(tmp_path):
+def test_inplace_three_hosts_one_vanished_one_worker_killed(tmp_path):
     _run(_inplace_three_hosts, 3, tmp_path)
