@@ -58,19 +58,10 @@ class LocalJob:
             kill_group(self.procs[n].pid)
 
     def wait_for(self, pred, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                name, line = self.q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            self.lines.append(f"[{name}] {line}")
-            if line.startswith("{"):
-                rec = json.loads(line)
-                self.records.append(rec)
-                if pred(rec):
-                    return rec
-        raise AssertionError(f"no {what} within {timeout} s\n" + "\n".join(self.lines[-60:]))
+        """Read lines until pred(record) holds for a new JSON epoch record; return it."""
+        _, line = self.wait_line(lambda n, ln: ln.startswith("{") and pred(json.loads(ln)),
+                                 timeout, what)
+        return json.loads(line)
 
     def wait_line(self, pred, timeout, what):
         deadline = time.monotonic() + timeout
