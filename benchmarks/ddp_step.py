@@ -11,7 +11,9 @@ conditions. Part 2 runs one process (world size 1) and times the same step with 
 DDP, pyddp's DDP and torch's DDP. Part 3 ("backend") launches 2 ranks whose default
 torch.distributed group is the "pyddp" backend and times torch's own DDP over it
 against the same torch DDP over a gloo group (new_group(backend="gloo")) in the same
-processes, steps alternated, on a ~6M-parameter MLP (--backend-hidden 2048). Prints the
+processes, steps alternated, on a ~6M-parameter MLP (--backend-hidden 2048), with a
+third copy whose all-reduce costs nothing (a comm hook returning each bucket as it is):
+the floor that no backend's step can go below. Prints the
 median step times (wall clock, and the process's CPU time, which a busy machine
 disturbs far less) and the ratios.
 Part 4 ("reduce", run by ``--reduce-dtype bfloat16`` or ``--part reduce``) launches 2
@@ -123,6 +125,14 @@ def worker(args):
     tdist.destroy_process_group()
 
 
+def _no_communication(state, bucket):
+    """A DDP comm hook that reduces nothing: the bucket comes back as it is, at once."""
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def backend_worker(args):
     """Part 3, on each rank: torch's DDP over the "pyddp" backend against torch's DDP
     over gloo, both groups in these processes."""
@@ -138,16 +148,22 @@ def backend_worker(args):
     x, y = torch.randn(args.batch, 1024, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
     ref = TorchDDP(make_model(args.backend_hidden), process_group=gloo)
     ours = TorchDDP(make_model(args.backend_hidden))
+    # The floor: the same DDP step whose gradient all-reduce costs nothing (a comm hook
+    # that hands each bucket back at once), what no backend can beat.
+    floor = TorchDDP(make_model(args.backend_hidden))
+    floor.register_comm_hook(None, _no_communication)
     nparams = sum(p.numel() for p in ref.parameters())
-    med = compare({"torch DDP over gloo": (ref, sgd(ref)),
-                   "torch DDP over pyddp": (ours, sgd(ours))}, args, x, y)
+    names = ("torch DDP over gloo", "torch DDP over pyddp", "no communication")
+    med = compare({names[0]: (ref, sgd(ref)), names[1]: (ours, sgd(ours)),
+                   names[2]: (floor, sgd(floor))}, args, x, y)
     if rank == 0:
         print(f"torch's DDP, {world} ranks, {nparams / 1e6:.1f}M parameters, batch {args.batch} "
               f"per rank, {torch.get_num_threads()} compute thread(s) per rank")
         report(med)
-        print(f"  over pyddp / over gloo step time ratio: "
-              f"{med['torch DDP over pyddp'][0] / med['torch DDP over gloo'][0]:.3f} wall, "
-              f"{med['torch DDP over pyddp'][1] / med['torch DDP over gloo'][1]:.3f} CPU")
+        for name, what in ((names[1], "over pyddp"), (names[2], "floor (no communication)")):
+            print(f"  {what} / over gloo step time ratio: "
+                  f"{med[name][0] / med[names[0]][0]:.3f} wall, "
+                  f"{med[name][1] / med[names[0]][1]:.3f} CPU")
     tdist.destroy_process_group()
 
 

@@ -225,6 +225,20 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             self._coalesced.append(fut)
         return PyddpWork(fut, comp)
 
+    def _ran_in_c(self, kind, tensors, opts):
+        """Offer torch's call of kind (_ALLREDUCE, _REDUCE, _BROADCAST, _BARRIER) to
+        ProcessGroup.torch_run, which runs a blocking call on one CPU tensor in one C
+        call. True: it ran to the end (the method returns None); False: nothing was
+        sent and the method goes on with its Python path. A failure raises as torch's
+        error, a collective's with the straggler report."""
+        pg = self._handle._pg
+        if type(pg) is not _PG:
+            return False
+        try:
+            return pg.torch_run(kind, tensors, opts, self._timeout_ms) is None
+        except Exception as e:
+            self._thin_failed(e)
+
     def _thin_failed(self, e):
         """Raise e, raised by ProcessGroup.torch_run, as torch's error (a collective's
         failure with the straggler report)."""
@@ -278,18 +292,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     # -- reductions -----------------------------------------------------------------
 
-    # Each thin-path method first asks ProcessGroup.torch_run, which runs torch's
-    # blocking call on one CPU tensor in one C call (None: done) and answers
-    # NotImplemented for everything else, with nothing sent.
+    # Each thin-path method first offers the call to ProcessGroup.torch_run
+    # (_ran_in_c), which runs torch's blocking call on one CPU tensor in one C call and
+    # answers NotImplemented for everything else, with nothing sent.
 
     def allreduce(self, tensors, opts=None):
-        pg = self._handle._pg
-        if type(pg) is _PG:
-            try:
-                if pg.torch_run(_ALLREDUCE, tensors, opts, self._timeout_ms) is None:
-                    return None
-            except Exception as e:
-                self._thin_failed(e)
+        if self._ran_in_c(_ALLREDUCE, tensors, opts):
+            return None
         rop = opts.reduceOp if opts is not None else _SUM
         if rop == _SUM:
             op, factor = C.ReduceOp.SUM, None
@@ -320,13 +329,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                          list(tensors))
 
     def reduce(self, tensors, opts):
-        pg = self._handle._pg
-        if type(pg) is _PG:
-            try:
-                if pg.torch_run(_REDUCE, tensors, opts, self._timeout_ms) is None:
-                    return None
-            except Exception as e:
-                self._thin_failed(e)
+        if self._ran_in_c(_REDUCE, tensors, opts):
+            return None
         op, factor = _reduce_op(opts.reduceOp)
         dst = self._global(opts.rootRank, "dst")
         if factor is None and len(tensors) == 1:
@@ -380,13 +384,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     # -- data movement ----------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None):
-        pg = self._handle._pg
-        if type(pg) is _PG:
-            try:
-                if pg.torch_run(_BROADCAST, tensors, opts, self._timeout_ms) is None:
-                    return None
-            except Exception as e:
-                self._thin_failed(e)
+        if self._ran_in_c(_BROADCAST, tensors, opts):
+            return None
         root = opts.rootRank if opts is not None else 0
         src = self._global(root, "src")
         if len(tensors) == 1:
@@ -466,13 +465,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                                    "src= to recv/irecv")
 
     def barrier(self, opts=None):
-        pg = self._handle._pg
-        if type(pg) is _PG:
-            try:
-                if pg.torch_run(_BARRIER, None, opts, self._timeout_ms) is None:
-                    return None
-            except Exception as e:
-                self._thin_failed(e)
+        if self._ran_in_c(_BARRIER, None, opts):
+            return None
         w = self._thin(_C.COLL_BARRIER, None, 0, 0, opts)
         if w is not NotImplemented:
             return w

@@ -180,7 +180,7 @@ def test_pyddp_timeout_wins_over_torchs_default():
     PYDDP_TIMEOUT set in the environment is the user's choice and bounds the group's
     collectives: a peer that never joins fails rank 0 after about 3 s, not 30 min."""
     from launch import torchrun
-    res = torchrun("torch_timeout.py", 2, args=["25"], env={"PYDDP_TIMEOUT": "3"}, timeout=90)
+    res = torchrun("torch_timeout.py", 2, args=["14"], env={"PYDDP_TIMEOUT": "3"}, timeout=90)
     m = re.search(r"TIMEOUT_AFTER (\S+) (\w+)", res.stdout)
     assert m, res.output[-4000:]
     assert m.group(1) != "none" and float(m.group(1)) < 12, m.group(0)
