@@ -38,6 +38,7 @@ from datetime import timedelta
 from . import _C
 
 REPORT_WAIT_S = 2.0
+STOP_S = 2.0              # destroy's wait for a stopped watcher's thread to return
 LINGER_S = REPORT_WAIT_S + 3.0   # the store host's wait for the others to read the reports
 CONNECT_S = 30.0          # the watcher's store connections: time to connect
 _FRAMES_PER_THREAD = 12

@@ -150,7 +150,10 @@ class Group:
         pg, self._pg = self._pg, None
         w, self._watcher = self._watcher, None
         if w is not None and w.group is self:
-            w.stop()
+            # Its thread holds this group until it returns, which it does as soon as
+            # its store connections close: wait for that (bounded), so that nothing of
+            # the group outlives destroy_process_group.
+            w.stop(join_s=_forensics.STOP_S)
         if pg is not None:
             pg.destroy()
 
