@@ -15,7 +15,8 @@ import logging
 import os
 import time
 
-from . import _C, _env, _exit, _forensics, _round
+from . import _C, _env, _exit, _forensics
+from .elastic import _round
 from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
     _resolve, dump_flight_record, retire_groups
 from ._rendezvous import _is_hosted, _linger_after_failure, _make_store, _td
@@ -132,6 +133,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     own_store = store is None
     if own_store:
         store = _make_store(rdzv, timeout_s)
+        if not _is_hosted(store) and _joins_running_job(store, be, backend, timeout_s,
+                                                        device_id, rdzv):
+            return
     else:
         store.set_timeout(_td(timeout_s))
     base = f"/pyddp/{rdzv.run_id}/{_State.generation}"
@@ -162,12 +166,34 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
               rdzv.world_size, _State.backend, prefix)
 
 
+def _joins_running_job(store, be, backend, timeout_s, device_id, rdzv):
+    """A process of a job's own launch line (a node that came back and ran its line
+    again, or a new one) whose store holds a running in-place elastic job joins that
+    job instead of starting a new one over it: True when it did (init is done). A job
+    recorded there that no longer runs is marked finished and False returned."""
+    from .elastic import _membership
+    try:
+        rec = _membership.live_job(store)
+        if rec is None or not _membership.job_alive(store, rec):
+            return False
+        log.warning("pyddp: rank %d: an in-place elastic job runs at %s:%s; joining it "
+                    "(admitted at its next commit)", rdzv.rank, rdzv.master_addr,
+                    rdzv.master_port)
+        _join_with(store, _membership.joiner(store, rec), be, backend, timeout_s,
+                   device_id, rdzv.master_addr or None)
+    except BaseException:
+        _State.rank = -1
+        store.close()
+        raise
+    return True
+
+
 def _join_elastic(be, backend, timeout_s, device_id):
     """init_process_group in a process started to join a running in-place elastic job
     (PYDDP_ELASTIC_JOIN=host:port, its store). Until pyddp.elastic.run admits it into
     the job (at one of the job's commits) the default group is this process alone, so
     that the script builds its model, DDP and optimizer without holding the job up."""
-    from . import _membership
+    from .elastic import _membership
     addr = _C.setting_text("PYDDP_ELASTIC_JOIN").strip()
     where, _, rdzv_id = addr.partition("/")
     host, _, port = where.rpartition(":")
@@ -185,13 +211,18 @@ def _join_elastic(be, backend, timeout_s, device_id):
                 store.close()
                 host, port = found
                 store = TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
-        mem = _membership.joiner(store)
-        _State.device_id = device_id
-        prefix = f"{mem.base}/solo/{mem.me}"
-        g = _make_group(store, 0, 1, prefix, timeout_s, be, host)
+        _join_with(store, _membership.joiner(store), be, backend, timeout_s, device_id, host)
     except BaseException:
         store.close()
         raise
+
+
+def _join_with(store, mem, be, backend, timeout_s, device_id, host):
+    """The default group of a process not admitted yet into the job of membership mem:
+    this process alone, until pyddp.elastic.run admits it."""
+    _State.device_id = device_id
+    prefix = f"{mem.base}/solo/{mem.me}"
+    g = _make_group(store, 0, 1, prefix, timeout_s, be, host)
     _State.pg, _State.store, _State.own_store = g, store, True
     g.backend_name = _asked_name(backend)
     _State.backend = g.backend_name or be or _auto_backend_name()

@@ -55,6 +55,18 @@ static const ddp_setting_decl table[] = {
      "`--master_addr:--master_port` of its launch line): `init_process_group` then joins "
      "that job, admitted at its next `state.commit()`, instead of rendezvousing with its "
      "own launcher's ranks (see [elastic.md](elastic.md#in-place))", "`pyddp.elastic`"},
+    {"PYDDP_ELASTIC_CHECKPOINT_DIR", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "in-place elastic jobs: a directory on each node (or a shared one) where local rank 0 "
+     "keeps the newest commit of `pyddp.elastic.run` (written to a temporary file, then "
+     "renamed); a job started again resumes from the newest copy on any node. Unset: "
+     "commits live in memory only", "`pyddp.elastic`"},
+    {"PYDDP_ELASTIC_CHECKPOINT_EVERY", DDP_SETTING_INT, "1", 1, 1, NOMAX, 0,
+     "in-place elastic jobs with `PYDDP_ELASTIC_CHECKPOINT_DIR`: write every k-th commit "
+     "to disk", "`pyddp.elastic`"},
+    {"PYDDP_RDZV_STORE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "set by pyddp's torchrun rendezvous (`--rdzv-backend=pyddp`) for the workers it "
+     "starts: `pyddp` says the job's store is pyddp's own, so the workers authenticate to "
+     "it with `PYDDP_AUTH_TOKEN`. Not to be set by hand", "`pyddp.elastic`"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "`lo-hi`: the data port each rank listens on is taken from this range (for firewalled "
      "VMs whose security group opens only a range). Without it, an ephemeral port", "CPU transport"},

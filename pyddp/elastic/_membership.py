@@ -21,13 +21,26 @@ and a key space ``E`` (``<the world's key prefix>/elastic``) in the job's store:
   (PYDDP_ELASTIC_JOIN), with their node and local rank: a node is admitted once all
   its local ranks wait, all together; ``E/join/<i>/epoch`` tells one it was admitted,
   and into which epoch (or ``done``: the job ended first). ``/pyddp/elastic/live``
-  names ``E``, so a joiner needs only the store address.
+  (the live record) names ``E``, the epoch, pyddp's version and a proof of the job's
+  PYDDP_AUTH_TOKEN, so a joiner needs only the store address, and one built from
+  another version or holding another token is refused on its own side before it
+  asks (``check_joiner``).
+* ``E/beat``: a counter rank 0's watcher raises twice a second. A live record whose
+  counter stands still is a job that is gone (every rank died, the store survived):
+  a process that finds it starts a new job instead of waiting to be admitted
+  (``job_alive``).
+* ``E/<e>/up``: set by rank 0 once epoch ``e``'s group is made and its state synced.
+  A change of an epoch that never came up (its rebuild failed: a joiner whose data
+  ports the others cannot reach, say) leaves out the processes that epoch admitted,
+  with the reason, so the survivors go on after at most one failed rebuild.
 
 Every member of ``E/<e+1>/members`` then makes the new world group under the prefix
 ``E/<e+1>/pg`` (dense ranks, the members' order); a rank that answered too late finds
 itself left out and gets a clear error. A store that fails during all this is reported
 as the loss of the job's store host, which in-place recovery cannot outlive.
 """
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -37,7 +50,8 @@ import time
 import uuid
 from datetime import timedelta
 
-from . import _C, _env
+from .. import _C, _env
+from .._version import __version__
 
 log = logging.getLogger("pyddp")
 
@@ -52,6 +66,11 @@ def _settle_s():
 
 class StoreLost(_C.DistNetworkError):
     """The job's store stopped answering: its host is gone, and the job with it."""
+
+
+class LeftOut(_C.DistError):
+    """This process is not in the job's new membership (it answered a change too late,
+    it was refused, or it left)."""
 
 
 def store_lost(store, e):
@@ -78,6 +97,8 @@ class Membership:
         self._thread = None
         self._stop = threading.Event()
         self.store_error = None                   # the watcher's store error
+        self.leaving = False                      # sent SIGTERM: leaves at a commit
+        self.joined_now = False                   # the current epoch admitted joiners
 
     # -- the watcher ------------------------------------------------------------------
 
@@ -87,7 +108,7 @@ class Membership:
         self.changed, self.store_error = None, None
         self._stop = threading.Event()
         if self._watch_store is None:
-            from .store import TCPStore
+            from ..store import TCPStore
             host = "localhost" if self.store._server is not None else self.store.host
             self._watch_store = TCPStore(host, self.store.port, is_master=False,
                                          timeout=timedelta(seconds=30))
@@ -99,7 +120,10 @@ class Membership:
         key = f"{self.base}/{epoch}/change"
         st = self._watch_store
         try:
+            beat = f"{self.base}/beat"
             while not stop.is_set():
+                if self.rank == 0:
+                    st.add(beat, 1)
                 try:
                     st.wait([key], timeout=_WATCH_POLL)
                     break
@@ -141,7 +165,8 @@ class Membership:
         reg, prop_key = f"{base}/reg", f"{base}/proposal"
         members_key = f"{self.base}/{epoch + 1}/members"
         ticket = st.add(reg, 1)
-        st.set(f"{reg}/{ticket}", json.dumps({"id": self.me, "rank": self.rank}))
+        st.set(f"{reg}/{ticket}", json.dumps({"id": self.me, "rank": self.rank,
+                                              "leaving": self.leaving}))
         settle, lag = _settle_s(), 0.2 * (ticket - 1)
         deadline = time.monotonic() + settle + lag
         n = st.add(reg, 0)
@@ -149,11 +174,16 @@ class Membership:
             time.sleep(_POLL_S)
             n = st.add(reg, 0)
         if not st.check([prop_key]):
-            answers = [json.loads(_get(st, f"{reg}/{t}")) for t in range(1, n + 1)]
-            answers.sort(key=lambda x: x["rank"])
+            refused = self._failed_joiners(st, epoch)
+            answers = [json.loads(a) for a in
+                       (_get_optional(st, f"{reg}/{t}", settle + 1) for t in range(1, n + 1))
+                       if a is not None]
+            answers = sorted((a for a in answers if a["id"] not in refused
+                              and not a.get("leaving")), key=lambda x: x["rank"])
             joiners = ready_joiners(st, self.base, self.admitted)
             st.compare_set(prop_key, "", json.dumps(
-                {"answers": answers, "joiners": [[i, r["id"]] for i, r in joiners]}))
+                {"answers": answers, "joiners": [[i, r["id"]] for i, r in joiners],
+                 "refused": refused}))
         prop = json.loads(st.get(prop_key))
         answered = [x["id"] for x in prop["answers"]]
         if self.me in answered:
@@ -171,14 +201,36 @@ class Membership:
         lost = sorted(set(range(self.size)) - {x["rank"] for x in alive})
         admitted = sorted(self.admitted | {i for i, _ in joiners})
         record = json.dumps({"ids": ids, "lost": lost, "admitted": admitted,
+                             "joined": [j for _, j in joiners], "refused": prop["refused"],
                              "why": self.changed})
         if st.compare_set(members_key, "", record).decode() != record:
             return                                  # another rank's value stands
         for i, _ in joiners:
             st.set(f"{self.base}/join/{i}/epoch", str(epoch + 1))
-        st.set(LIVE_KEY, json.dumps({"base": self.base, "epoch": epoch + 1}))
+        _update_live(st, epoch=epoch + 1)
         log.warning("pyddp: elastic: world %d -> %d (%s; lost ranks %s, %d joined)",
                     self.size, len(ids), self.changed, lost, len(joiners))
+
+    def _failed_joiners(self, st, epoch):
+        """{id: why} of the processes admitted into epoch when that epoch never came up
+        (its rebuild or sync failed: those are the suspects; the founders of a failed
+        epoch were all up in the one before)."""
+        if epoch == 0 or st.check([f"{self.base}/{epoch}/up"]):
+            return {}
+        raw = _get_optional(st, f"{self.base}/{epoch}/members", 1)
+        joined = json.loads(raw).get("joined", []) if raw is not None else []
+        why = (f"the job could not make its process group with this process in it "
+               f"({self.changed}): check that the job's ranks can reach this node's data "
+               f"ports (the security group, PYDDP_PORT_RANGE, PYDDP_SOCKET_IFNAME)")
+        return {j: why for j in joined}
+
+    def came_up(self):
+        """Rank 0, once the current epoch's group is made and its state synced."""
+        if self.rank == 0:
+            try:
+                self.store.set(f"{self.base}/{self.epoch}/up", "1")
+            except _C.DistError as e:
+                raise store_lost(self.store, e) from None
 
     def stop(self):
         """Stop the watcher (the job ends, or the epoch is over and handled)."""
@@ -218,8 +270,7 @@ class Membership:
         join, and any that come later, are told so instead of waiting."""
         st = self.store
         try:
-            st.set(LIVE_KEY, json.dumps({"base": self.base, "epoch": self.epoch,
-                                         "done": True}))
+            _update_live(st, epoch=self.epoch, done=True)
             for i in range(st.add(f"{self.base}/join", 0)):
                 if i not in self.admitted:
                     st.set(f"{self.base}/join/{i}/epoch", "done")
@@ -235,7 +286,7 @@ class Membership:
         i = st.add(f"{self.base}/join", 1) - 1
         st.set(f"{self.base}/join/{i}", json.dumps(
             {"id": self.me, "node": _node_key(), "local_rank": _env.local_rank(),
-             "local_size": _env.local_world_size()}))
+             "local_size": _env.local_world_size(), "version": __version__}))
         log.warning("pyddp: elastic: waiting to be admitted into the job at %s:%s (at its "
                     "next commit)", st.host, st.port)
         key = f"{self.base}/join/{i}/epoch"
@@ -275,8 +326,13 @@ class Membership:
             m = json.loads(self.store.get(key))
         except _C.DistError as e:
             raise store_lost(self.store, e) from None
+        self.joined_now = bool(m.get("joined"))
+        if self.me in m.get("refused", {}):
+            raise LeftOut(f"this process was admitted into the elastic job at "
+                               f"{self.store.host}:{self.store.port} and then left out: "
+                               f"{m['refused'][self.me]}")
         if self.me not in m["ids"]:
-            raise _C.DistError(
+            raise LeftOut(
                 f"rank {self.rank} was left out of the job's new membership: it answered "
                 f"the change ({m['why']}) after PYDDP_ELASTIC_SETTLE_S={_settle_s():g} s. "
                 f"Start it again with PYDDP_ELASTIC_JOIN to rejoin")
@@ -304,7 +360,10 @@ def ready_joiners(st, base, admitted):
     nodes = {}
     for i in range(n):
         if i not in admitted:
-            r = json.loads(_get(st, f"{base}/join/{i}"))
+            raw = _get_optional(st, f"{base}/join/{i}", 0.5)
+            if raw is None:        # died between its ticket and its record, or slow
+                continue
+            r = json.loads(raw)
             nodes.setdefault(r["node"], []).append((i, r))
     ready = []
     for members in nodes.values():
@@ -313,9 +372,13 @@ def ready_joiners(st, base, admitted):
     return ready
 
 
-def _get(st, key, timeout_s=10.0):
-    """A key another rank writes right after it took its ticket."""
-    st.wait([key], timeout=timedelta(seconds=timeout_s))
+def _get_optional(st, key, timeout_s):
+    """A key another process writes right after it took its ticket, or None when it
+    does not appear within timeout_s (that process died in between): a hole, skipped."""
+    try:
+        st.wait([key], timeout=timedelta(seconds=timeout_s))
+    except _C.DistTimeoutError:
+        return None
     return st.get(key)
 
 
@@ -329,8 +392,82 @@ def start(store, world_prefix, rank, size):
     base = f"{world_prefix}/elastic"
     m = Membership(store, base, 0, rank, size, (), new_id())
     if rank == 0:
-        store.set(LIVE_KEY, json.dumps({"base": base, "epoch": 0}))
+        nonce = uuid.uuid4().hex
+        store.set(LIVE_KEY, json.dumps({"base": base, "epoch": 0, "version": __version__,
+                                        "nonce": nonce, "proof": _proof(nonce)}))
     return m
+
+
+def _update_live(st, **fields):
+    """Rewrite the live record with fields changed (its version and proof kept)."""
+    rec = json.loads(st.get(LIVE_KEY))
+    rec.update(fields)
+    st.set(LIVE_KEY, json.dumps(rec))
+
+
+def _token():
+    """This process's PYDDP_AUTH_TOKEN (or its file's content), or b"" without one."""
+    tok = _C.setting_text("PYDDP_AUTH_TOKEN")
+    if not tok:
+        path = _C.setting_text("PYDDP_AUTH_TOKEN_FILE")
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    return f.read().rstrip(b"\r\n")
+            except OSError:
+                return b""
+        return b""
+    return tok.encode()
+
+
+def _proof(nonce):
+    """HMAC of the job's nonce under this process's token: equal proofs, equal tokens."""
+    return hmac.new(_token(), b"pyddp-elastic-live:" + nonce.encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def live_job(store):
+    """The live record of the in-place job running on store, or None (none ever ran
+    there, or the one that did has finished)."""
+    if not store.check([LIVE_KEY]):
+        return None
+    rec = json.loads(store.get(LIVE_KEY))
+    return None if rec.get("done") else rec
+
+
+def job_alive(store, rec):
+    """Whether the job of live record rec still runs: its rank 0 raises E/beat twice a
+    second (a change in progress pauses it for up to PYDDP_ELASTIC_SETTLE_S and a
+    rebuild). A job that is gone (all its ranks died, the store lived on) is marked
+    done, so that the processes started now make a new job."""
+    beat = f"{rec['base']}/beat"
+    first = store.add(beat, 0)
+    deadline = time.monotonic() + max(5.0, 2 * _settle_s() + 3)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if store.add(beat, 0) != first:
+            return True
+    raw = store.get(LIVE_KEY)
+    store.compare_set(LIVE_KEY, raw, json.dumps(dict(json.loads(raw), done=True,
+                                                     gone=True)))
+    log.warning("pyddp: elastic: the in-place job recorded at %s:%s no longer runs (no "
+                "heartbeat); starting a new one", store.host, store.port)
+    return False
+
+
+def check_joiner(store, rec):
+    """Refuse, before it asks, a process that cannot be part of the job of live record
+    rec: another pyddp version, or another PYDDP_AUTH_TOKEN."""
+    where = f"{store.host}:{store.port}"
+    if rec.get("version") != __version__:
+        raise _C.VersionMismatchError(
+            f"the in-place elastic job at {where} runs pyddp {rec.get('version')}, this "
+            f"process pyddp {__version__}: install the same pyddp on every node")
+    if "proof" in rec and not hmac.compare_digest(rec["proof"], _proof(rec["nonce"])):
+        raise _C.AuthenticationError(
+            f"the in-place elastic job at {where} was started with another "
+            f"PYDDP_AUTH_TOKEN than this process's (or with none, or this one has none): "
+            f"set the same token on every node")
 
 
 def torch_worker_store(rdzv_store, rdzv_id, rounds=256):
@@ -350,17 +487,22 @@ def torch_worker_store(rdzv_store, rdzv_id, rounds=256):
             int(rdzv_store.get(f"{pre}/MASTER_PORT")))
 
 
-def joiner(store):
-    """The membership of a process started to join the running job whose store is
-    store (PYDDP_ELASTIC_JOIN): not admitted yet (its epoch is None); next_world, called
-    when it enters pyddp.elastic.run, asks for admission and waits for it."""
-    try:
-        store.wait([LIVE_KEY], timeout=timedelta(seconds=min(store.timeout.total_seconds(),
-                                                             30)))
-    except _C.DistTimeoutError:
-        raise _C.DistError(
-            f"PYDDP_ELASTIC_JOIN={store.host}:{store.port}: that store holds no running "
-            f"in-place elastic job (nothing called pyddp.elastic.run there); check the "
-            f"address, or start the job itself with its normal launch line") from None
-    base = json.loads(store.get(LIVE_KEY))["base"]
-    return Membership(store, base, None, 0, 1, (), new_id())
+def joiner(store, rec=None):
+    """The membership of a process joining the running job whose store is store, not
+    admitted yet (its epoch is None); next_world, called when it enters
+    pyddp.elastic.run, asks for admission and waits for it. rec: the job's live record
+    when the caller has read it (a process of the job's own launch line that found the
+    job running); without it (PYDDP_ELASTIC_JOIN) it is waited for. Refused here, with
+    a clear error, when the job runs another pyddp version or another token."""
+    if rec is None:
+        try:
+            store.wait([LIVE_KEY], timeout=timedelta(
+                seconds=min(store.timeout.total_seconds(), 30)))
+        except _C.DistTimeoutError:
+            raise _C.DistError(
+                f"PYDDP_ELASTIC_JOIN={store.host}:{store.port}: that store holds no running "
+                f"in-place elastic job (nothing called pyddp.elastic.run there); check the "
+                f"address, or start the job itself with its normal launch line") from None
+        rec = json.loads(store.get(LIVE_KEY))
+    check_joiner(store, rec)
+    return Membership(store, rec["base"], None, 0, 1, (), new_id())

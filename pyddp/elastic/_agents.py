@@ -21,7 +21,7 @@ import logging
 import os
 from datetime import timedelta
 
-from . import _C, _env
+from .. import _C, _env
 
 log = logging.getLogger("pyddp")
 
@@ -70,7 +70,7 @@ def _agents_store(job_store):
     if found is None:
         return None
     host, port, rdzv_id = found
-    from .store import TCPStore
+    from ..store import TCPStore
     st = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
     newest = None
     for r in range(256):

@@ -26,7 +26,7 @@ import time
 import uuid
 from datetime import timedelta
 
-from . import _C
+from .. import _C
 
 _POLL_S = 0.05
 
