@@ -1,4 +1,5 @@
-"""torch's auto-load hook for pyddp: registers the torch.distributed backend "pyddp".
+"""torch's auto-load hooks for pyddp: registers the torch.distributed backend "pyddp",
+and torchrun's rendezvous backend "pyddp" (``--rdzv-backend=pyddp``).
 
 torch loads every entry point of the group ``torch.backends`` at ``import torch``
 (unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``); pyproject.toml points one at
@@ -40,3 +41,16 @@ def register():
         return True
     except Exception:  # noqa: BLE001 - a broken hook must not break `import torch`
         return False
+
+
+def _create_rdzv_handler(params):
+    """torchrun's creator for ``--rdzv-backend=pyddp`` (pyddp.elastic._handler)."""
+    from pyddp.elastic._handler import create_handler
+    return create_handler(params)
+
+
+def torchrun_handler():
+    """torchrun's ``torchrun.handlers`` entry point: torchrun calls it once, when its
+    rendezvous registry loads, and registers what it returns as the creator of
+    ``--rdzv-backend=pyddp``. Nothing of pyddp is imported until a job asks for it."""
+    return _create_rdzv_handler

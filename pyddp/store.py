@@ -16,6 +16,7 @@ import os
 import time
 from datetime import timedelta
 
+from . import _C
 from ._C import (DistError, DistNetworkError, DistStoreTimeoutError, DistTypeError,
                  DistValueError, StoreClient, StoreServer)
 
@@ -39,6 +40,8 @@ def _auth_mode(auth, is_master):
         return 1 if auth else 0
     if is_master:
         return 1
+    if _C.setting_text("PYDDP_RDZV_STORE") == "pyddp":
+        return 1    # the agents of --rdzv-backend=pyddp host pyddp's own store
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return 0    # torchrun's agent hosts torch's TCPStore, which cannot authenticate
     return 2
