@@ -163,12 +163,12 @@ Bridged = collections.namedtuple("Bridged", "hosts switch ports")
 
 
 @contextlib.contextmanager
-def bridged_hosts(n):
+def bridged_hosts(n, last=None):
     """Yield Bridged(hosts, switch, ports): n host namespaces on one /24, each with a veth
     link to a bridge in a switch namespace (as VMs in one private network); ports[i] is
     host i's port on the bridge. Addresses from 10.215.0.0/16,
-    one /24 chosen from the process id; everything is deleted on exit, also after
-    errors."""
+    one /24 chosen from the process id, host i's last byte last[i] (default i + 1);
+    everything is deleted on exit, also after errors."""
     if os.geteuid() != 0:
         raise NetnsUnavailable("network namespaces need root")
     if shutil.which("ip") is None:
@@ -189,7 +189,7 @@ def bridged_hosts(n):
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("link", "add", host_if, "netns", ns, "type", "veth", "peer", "name", port,
                 "netns", sw)
-            addr = f"10.215.{tag}.{i + 1}"
+            addr = f"10.215.{tag}.{last[i] if last else i + 1}"
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", host_if)
             _ip("-n", ns, "link", "set", host_if, "up")
             _ip("-n", sw, "link", "set", port, "master", "br0")

@@ -42,9 +42,11 @@ class Job:
     """The hosts' torchrun processes of one job; every output line, tagged with its
     host, goes to one queue; the JSON epoch records are kept in order."""
 
-    def __init__(self, bridged, mode, tmp, nnodes, env=None, step_s=0.05, static=False):
+    def __init__(self, bridged, mode, tmp, nnodes, env=None, step_s=0.05, static=False,
+                 rdzv=None):
         self.b, self.mode, self.tmp, self.nnodes = bridged, mode, tmp, nnodes
         self.static = static     # the first launch form (--node_rank, --master_addr)
+        self.rdzv = rdzv         # "pyddp": docs/elastic.md's line (--rdzv-backend=pyddp)
         self.env, self.step_s = env or {}, step_s
         self.port = free_port()
         self.stop_file = str(tmp / "stop")
@@ -68,6 +70,11 @@ class Job:
         if join:
             env["PYDDP_ELASTIC_JOIN"] = endpoint if self.static else f"{endpoint}/job"
             launch = ["--standalone", "--nproc_per_node=2"]
+        elif self.rdzv == "pyddp":
+            launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", "--rdzv-backend=pyddp",
+                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--max-restarts=100",
+                      "--monitor-interval=0.5", f"--local-addr={h.addr}",
+                      "--rdzv-conf=last_call_timeout=2"]
         elif self.static:
             launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", f"--node_rank={i}",
                       f"--master_addr={self.b.hosts[0].addr}", f"--master_port={self.port}",
@@ -117,6 +124,10 @@ class Job:
                 os.kill(int(pid), 9)
                 return
         raise AssertionError(f"no worker of host {i} found")
+
+    def term(self, i):
+        """Host i's torchrun is sent SIGTERM (a spot VM's notice, a pod deleted)."""
+        os.kill(self.procs[i].pid, 15)
 
     def vanish(self, i):
         """Host i drops off the network (its switch port goes down): no FIN, no RST,
@@ -223,7 +234,9 @@ def _same_processes(rec, pids):
 
 def _inplace_lost_and_back(b, tmp, static=False):
     """In place, agent's store: host 1 killed; its survivors go on in the same
-    processes; host 1 started again with the joining line is admitted."""
+    processes; host 1 started again is admitted: with its own line in the static form
+    (its workers find the job running in the store), with the joining line in the c10d
+    form (whose stock agents would restart for a node in their rendezvous)."""
     job = Job(b, "inplace", tmp, "2" if static else "1:2", static=static)
     try:
         job.start(0)
@@ -233,7 +246,7 @@ def _inplace_lost_and_back(b, tmp, static=False):
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after host 1 was killed"), pids[:2])
-        job.start(1, join=True)
+        job.start(1, join=not static)
         rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 joined")
         assert rec["pids"][:2] == pids[:2]
         job.finish([0, 1])
@@ -252,7 +265,7 @@ def test_inplace_host_lost_and_back(tmp_path):
 def test_inplace_static_form_host_lost_and_back(tmp_path):
     """The first seed's line (--nnodes=2 --node_rank=i --master_addr --master_port) in
     place: its world size is fixed for torchrun, but pyddp's survivors go on without the
-    lost host and admit it again (PYDDP_ELASTIC_JOIN=<master_addr>:<master_port>)."""
+    lost host and admit it again when it runs the same line again."""
     _run(_inplace_lost_and_back, 2, tmp_path, True)
 
 
@@ -281,3 +294,56 @@ def _inplace_three_hosts(b, tmp):
 
 def test_inplace_three_hosts_one_vanished_one_worker_killed(tmp_path):
     _run(_inplace_three_hosts, 3, tmp_path)
+
+
+def _one_line(b, tmp):
+    """docs/elastic.md's line (--rdzv-backend=pyddp) on every node, the endpoint's node
+    10.215.x.5 and the other 10.215.x.12, which sorts first as a string (torch's c10d
+    would keep the workers' store there): the other host killed (the store lives with
+    the endpoint: the job goes on) and started again with the same line (admitted in
+    place); a worker of the endpoint's node killed (its agent starts that node's workers
+    again, which join in place; the other host's ranks go on); the other host's torchrun
+    sent SIGTERM (its ranks leave at the next commit: no settle wait, no rollback)."""
+    job = Job(b, "inplace", tmp, "1:2", rdzv="pyddp", env={"PYDDP_ELASTIC_SETTLE_S": "20"})
+    try:
+        job.start(0)
+        job.start(1)
+        pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 120,
+                            "epoch at world 4")["pids"]
+        job.kill(1)
+        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
+                                     "epoch at world 2 after host 1 was killed"), pids[:2])
+        job.start(1)
+        rec = job.wait_for(lambda r: r["world"] == 4, 90,
+                           "epoch at world 4 after host 1 ran its line again")
+        assert rec["pids"][:2] == pids[:2], rec
+        host1 = rec["pids"][2:]
+        job.kill_worker(0)
+        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
+                                     "epoch at world 2 after a worker of host 0 died"), host1)
+        rec = job.wait_for(lambda r: r["world"] == 4, 90,
+                           "epoch at world 4 after host 0's agent started its workers again")
+        assert rec["pids"][:2] == host1, rec
+        host0 = rec["pids"][2:]
+        t0 = time.monotonic()
+        job.term(1)
+        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
+                                     "epoch at world 2 after host 1's torchrun got SIGTERM"),
+                        host0)
+        # PYDDP_ELASTIC_SETTLE_S is 20 s here: a leave that waited for it would show
+        assert time.monotonic() - t0 < 15, time.monotonic() - t0
+        assert any("rank(s) leaving (SIGTERM)" in ln for ln in job.lines), job.lines[-40:]
+        job.finish([0])
+    finally:
+        job.close()
+    job.check_epochs()
+    epochs = sorted({r["epoch"] for r in job.records})
+    assert epochs == list(range(epochs[-1] + 1)), epochs
+
+
+def test_inplace_one_line_store_with_the_endpoint(tmp_path):
+    try:
+        with bridged_hosts(2, last=[5, 12]) as b:
+            _one_line(b, tmp_path)
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))
