@@ -180,3 +180,69 @@ def test_inplace_joiner_without_a_job():
     finally:
         kill_group(srv.pid)
         srv.communicate()
+
+
+def test_inplace_misconfigured_joiners_refused(tmp_path):
+    """A joiner holding another PYDDP_AUTH_TOKEN, and one whose job runs another pyddp
+    version (the live record rewritten to say so), are refused on their own side with
+    an error that says why; the job goes on in the same processes and finishes."""
+    from pyddp import TCPStore
+    job = LocalJob(tmp_path)
+    try:
+        for r in range(2):
+            job.start(f"r{r}", r, 2)
+        pids = job.wait_for(lambda r: r["world"] == 2 and r["epoch"] >= 1, 90,
+                            "epoch at world 2")["pids"]
+        job.env = {"PYDDP_AUTH_TOKEN": "another-token"}
+        job.start("tok", join=True)
+        job.wait_line(lambda n, ln: n == "tok" and "another PYDDP_AUTH_TOKEN" in ln, 60,
+                      "the joiner's token error")
+        assert job.procs["tok"].wait(timeout=30) != 0
+        job.env = {}
+        st = TCPStore("127.0.0.1", job.port, is_master=False, auth=False)
+        key = "/pyddp/elastic/live"
+        rec = json.loads(st.get(key))
+        st.set(key, json.dumps(dict(rec, version="0.0.0-other")))
+        job.start("ver", join=True)
+        job.wait_line(lambda n, ln: n == "ver" and "runs pyddp 0.0.0-other" in ln, 60,
+                      "the joiner's version error")
+        assert job.procs["ver"].wait(timeout=30) != 0
+        st.set(key, json.dumps(rec))
+        st.close()
+        last = job.records[-1]["epoch"]
+        rec = job.wait_for(lambda r: r["epoch"] >= last + 2, 60, "epochs after the refusals")
+        assert rec["world"] == 2 and rec["pids"] == pids, rec
+        job.finish(["r0", "r1"])
+    finally:
+        job.close()
+    check_records(job.records)
+
+
+def test_inplace_commits_on_disk_resume_a_new_start(tmp_path):
+    """PYDDP_ELASTIC_CHECKPOINT_DIR: every rank of a job killed at once (the store's host
+    gone, say); the job started again with the same script resumes from the newest
+    commit on disk instead of epoch 0, every rank holding the same state."""
+    env = {"PYDDP_ELASTIC_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    job = LocalJob(tmp_path, env=env)
+    try:
+        for r in range(2):
+            job.start(f"r{r}", r, 2)
+        job.wait_for(lambda r: r["epoch"] >= 3, 90, "epoch 3")
+        job.kill("r0", "r1")
+    finally:
+        job.close()
+    before = {r["epoch"]: r["digests"][0] for r in job.records}
+    again = LocalJob(tmp_path, env=env)
+    try:
+        for r in range(2):
+            again.start(f"s{r}", r, 2)
+        first = again.wait_for(lambda r: True, 90, "an epoch after the new start")
+        again.finish(["s0", "s1"])
+    finally:
+        again.close()
+    assert first["epoch"] >= 3, first                   # resumed, not started at 0
+    assert first["epoch"] <= max(before) + 1, (first, sorted(before))
+    for rec in again.records:
+        assert rec["covered"] and rec["used"] == N and len(set(rec["digests"])) == 1, rec
+    epochs = [r["epoch"] for r in again.records]
+    assert epochs == list(range(epochs[0], epochs[0] + len(epochs))), epochs
