@@ -82,3 +82,46 @@ def test_train_device_auto_runs_on_cpu_and_cuda_is_refused_clearly(tmp_path):
         assert res.returncode != 0
         assert "--device cuda: no GPU is visible to torch on this machine" in res.output, \
             res.output[-3000:]
+
+
+def test_elastic_train_with_the_pyddp_rendezvous_and_a_leave(tmp_path):
+    """examples/elastic_train.py as docs/elastic.md runs it: two "nodes" on loopback,
+    each a torchrun with --rdzv-backend=pyddp (the first hosts the store), 2 ranks
+    each; the second's torchrun is sent SIGTERM mid-training: its ranks leave at a
+    commit, the first node's finish every epoch at world 2 and reach a useful
+    accuracy."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from launch import free_port, kill_group
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    line = [PY, "-m", "torch.distributed.run", "--rdzv-backend=pyddp",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ex", "--nnodes=1:2",
+            "--nproc_per_node=2", "--max-restarts=100", "--monitor-interval=0.5"]
+    script = [f"{ROOT}/examples/elastic_train.py", "--epochs", "4", "--train-samples", "4096",
+              "--commit-every", "4", "--step-delay", "0.01"]
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(subprocess.Popen(
+                line + [f"--rdzv-conf=is_host={int(i == 0)},last_call_timeout=3"] + script,
+                env=env, cwd=ROOT, stdout=open(tmp_path / f"n{i}.log", "w"),
+                stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 90
+        while "world 4" not in (tmp_path / "n0.log").read_text() + \
+                (tmp_path / "n1.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "n0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=120) == 0, (tmp_path / "n0.log").read_text()[-4000:]
+        procs[1].wait(timeout=60)
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+    out = (tmp_path / "n0.log").read_text() + (tmp_path / "n1.log").read_text()
+    assert "rank(s) leaving (SIGTERM)" in out, out[-4000:]
+    assert re.search(r"epoch 4/4  world 2 ", out), out[-4000:]
+    acc = float(re.search(r"final accuracy (\S+) on", out).group(1))
+    assert acc > 0.85, out[-3000:]

@@ -1,0 +1,116 @@
+"""Train the main demo's classifier in place elastically: a lost node never ends the
+job, a node that comes back (with the same launch line) is admitted without
+restarting the others, a node sent SIGTERM (a spot VM's notice) leaves at the next
+commit.
+
+On every node, the same line, at the first start and at every return
+(docs/elastic.md has the other forms):
+
+    torchrun --rdzv-backend=pyddp --rdzv-endpoint=$MASTER:29500 --rdzv-id=job1 \\
+             --nnodes=1:4 --nproc_per_node=2 --max-restarts=100 examples/elastic_train.py
+
+On one machine, to try it: ``torchrun --standalone --nproc_per_node=2
+examples/elastic_train.py``.
+
+The data and model are examples/train.py's (synthetic, made by every rank from the same
+seed). What makes it elastic:
+
+* ``elastic.TorchState`` holds the model, the optimizer and the counters (epoch, and
+  the batch reached within it), ``state.commit()`` every ``--commit-every`` steps;
+* the sampler is made again after every change (a reset callback), at the new world
+  size, and the epoch goes on from the committed batch number (at another world size
+  the shards differ, so around a change some samples of that epoch may be seen twice
+  or not at all; the epochs after it cover the data once);
+* ``@elastic.run`` re-enters ``train(state)`` after every change, in the same process.
+
+``--checkpoint-dir`` (or PYDDP_ELASTIC_CHECKPOINT_DIR) keeps every commit on each node's
+disk too, so even losing the endpoint's node costs only the steps since the last commit:
+the job started again resumes from the newest copy on any node.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pyddp as dist  # noqa: E402
+from pyddp import DistributedDataParallel as DDP  # noqa: E402
+from pyddp import DistributedSampler, elastic  # noqa: E402
+from train import evaluate, make_data, make_model  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--train-samples", type=int, default=16384)
+    p.add_argument("--test-samples", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit-every", type=int, default=20, help="steps between commits")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="keep commits on this node's disk (default: memory only)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="seconds to sleep per step (to watch a change happen)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dist.init_process_group("cpu")
+    torch.manual_seed(args.seed)
+    train_set, test_set = make_data(args.train_samples, args.test_samples, args.seed)
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    state = elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
+    loader = {}
+
+    def remake_loader():
+        """The world size changed: a new sampler at the new size (one shard per rank)."""
+        sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+        loader["sampler"] = sampler
+        loader["it"] = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    remake_loader()
+    state.register_reset_callbacks([remake_loader])
+
+    @elastic.run(checkpoint_dir=args.checkpoint_dir)
+    def train(state):
+        while state.epoch < args.epochs:
+            loader["sampler"].set_epoch(state.epoch)
+            t0, loss_sum, seen = time.perf_counter(), 0.0, 0
+            for i, (x, y) in enumerate(loader["it"]):
+                if i < state.batch:          # trained before the last change
+                    continue
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                loss_sum, seen = loss_sum + loss.item() * len(y), seen + len(y)
+                state.batch = i + 1
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+                if state.batch % args.commit_every == 0:
+                    state.commit()
+            if dist.get_rank() == 0:
+                print(f"epoch {state.epoch + 1}/{args.epochs}  world {dist.get_world_size()}  "
+                      f"loss {loss_sum / max(seen, 1):.4f}  "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.commit()
+        return True
+
+    finished = train(state)
+    if finished:
+        acc, n = evaluate(model, test_set, 256, "cpu")
+        if dist.get_rank() == 0:
+            print(f"final accuracy {acc:.3f} on {n} test samples", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
