@@ -174,17 +174,30 @@ def test_relative_links_resolve():
     assert not broken, "\n".join(broken)
 
 
+def _script_variables():
+    """The PYDDP_* variables scripts/*.sh read (PYDDP_VENV): the README's knobs, not
+    pyddp's settings."""
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "scripts", "*.sh")):
+        names |= set(re.findall(r"\$\{?(PYDDP_[A-Z0-9_]*[A-Z0-9])", open(path).read()))
+    return names
+
+
 def test_every_pyddp_variable_named_is_a_setting():
     """Each PYDDP_* name the docs mention is in the settings table (docs/env.md's rows
-    are checked against it by tests/c/test_settings.c)."""
+    are checked against it by tests/c/test_settings.c), or is a variable of
+    scripts/*.sh."""
     from pyddp import _C
-    known = {s["name"] for s in _C.settings()}
+    known = {s["name"] for s in _C.settings()} | _script_variables()
     unknown = sorted({(name, _rel(p)) for p in DOCS
                       for name in re.findall(r"\bPYDDP_[A-Z0-9_]*[A-Z0-9]\b",
                                              open(p, encoding="utf-8").read())
                       if name not in known})
     assert not unknown, unknown
 
+
+# wrappers that pass their other arguments on to a script of the repository
+_PASS_ON = {"scripts/train.sh": "examples/train.py"}
 
 _PLACEHOLDER = re.compile(r"\$|<|\[-|=G\b|=N\b|=i\b|\bIP\b|=IP|\bMIN:MAX\b")
 
@@ -230,6 +243,9 @@ def test_command_lines_name_real_scripts_and_options():
             wrong.append(f"{_rel(p)}: {cmd} ({_rel(script)} does not exist)")
             continue
         src = open(script, encoding="utf-8").read()
+        target = _PASS_ON.get(_rel(script))
+        if target:
+            src += open(os.path.join(ROOT, target), encoding="utf-8").read()
         if rest and "--" in rest:            # options after "--" go to another program
             rest = rest[:rest.index("--")]
         for w in rest:
