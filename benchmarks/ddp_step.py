@@ -1,5 +1,6 @@
-"""DDP training-step time: pyddp's DistributedDataParallel against torch's (gloo), and
-the cost of DDP itself at world size 1. One command runs both parts:
+"""DDP training-step time: pyddp's DistributedDataParallel against torch's (gloo), the
+cost of DDP itself at world size 1, and torch's DDP over the "pyddp" backend against
+gloo. One command runs parts 1 to 3 (part 4 with --reduce-dtype):
 
     python benchmarks/ddp_step.py            # add --steps/--rounds/--batch to change the run
 

@@ -53,7 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--train-samples", type=int, default=16384)
     p.add_argument("--test-samples", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default=None, help="cpu (alias gloo), nccl, or auto")
+    p.add_argument("--backend", choices=["cpu", "gloo", "nccl"], default=None,
+                   help="cpu (alias gloo) or nccl; default: pyddp's choice (host arrays "
+                        "on the CPU transport, GPU arrays on NCCL)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="where the model trains (auto: cuda if a GPU is visible)")
     p.add_argument("--checkpoint-dir", default="checkpoints")

@@ -127,7 +127,10 @@ def seconds(t) -> float:
 
 def elastic_attempt():
     """(run id, restart count) of torchrun's attempt: TORCHELASTIC_RUN_ID ("none" when
-    unset) and TORCHELASTIC_RESTART_COUNT (0 when unset), part of pyddp's key prefix."""
+    unset) and TORCHELASTIC_RESTART_COUNT (0 when unset). The run id is part of pyddp's
+    key prefix (/pyddp/<run id>/...); the restart count is not part of a group's prefix
+    (elastic nodes count their restarts apart, so the ranks agree on a round through the
+    store instead: _round); only the doctor's keys use it."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
     return run_id, _env_int("TORCHELASTIC_RESTART_COUNT", required=False) or 0
 

@@ -174,17 +174,30 @@ def test_relative_links_resolve():
     assert not broken, "\n".join(broken)
 
 
+def _script_variables():
+    """The PYDDP_* variables scripts/*.sh read (PYDDP_VENV): the README's knobs, not
+    pyddp's settings."""
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "scripts", "*.sh")):
+        names |= set(re.findall(r"\$\{?(PYDDP_[A-Z0-9_]*[A-Z0-9])", open(path).read()))
+    return names
+
+
 def test_every_pyddp_variable_named_is_a_setting():
     """Each PYDDP_* name the docs mention is in the settings table (docs/env.md's rows
-    are checked against it by tests/c/test_settings.c)."""
+    are checked against it by tests/c/test_settings.c), or is a variable of
+    scripts/*.sh."""
     from pyddp import _C
-    known = {s["name"] for s in _C.settings()}
+    known = {s["name"] for s in _C.settings()} | _script_variables()
     unknown = sorted({(name, _rel(p)) for p in DOCS
                       for name in re.findall(r"\bPYDDP_[A-Z0-9_]*[A-Z0-9]\b",
                                              open(p, encoding="utf-8").read())
                       if name not in known})
     assert not unknown, unknown
 
+
+# wrappers that pass their other arguments on to a script of the repository
+_PASS_ON = {"scripts/train.sh": "examples/train.py", "benchmarks/one_host.sh": "pyddp/bench.py"}
 
 _PLACEHOLDER = re.compile(r"\$|<|\[-|=G\b|=N\b|=i\b|\bIP\b|=IP|\bMIN:MAX\b")
 
@@ -230,6 +243,9 @@ def test_command_lines_name_real_scripts_and_options():
             wrong.append(f"{_rel(p)}: {cmd} ({_rel(script)} does not exist)")
             continue
         src = open(script, encoding="utf-8").read()
+        target = _PASS_ON.get(_rel(script))
+        if target:
+            src += open(os.path.join(ROOT, target), encoding="utf-8").read()
         if rest and "--" in rest:            # options after "--" go to another program
             rest = rest[:rest.index("--")]
         for w in rest:
@@ -237,4 +253,212 @@ def test_command_lines_name_real_scripts_and_options():
             if opt.startswith("--") and f'"{opt}"' not in src and f"'{opt}'" not in src:
                 wrong.append(f"{_rel(p)}: {cmd} ({opt} is not an option of {_rel(script)})")
     assert checked >= 10, checked
+    assert not wrong, "\n".join(wrong)
+
+
+# ---- what a newcomer follows: README, the per-node recipe, performance.md ---------------
+
+STATIC_LINE = ("torchrun --nproc_per_node=G --nnodes=N --node_rank=i --master_addr=IP "
+               "--master_port=23456 train.py")
+C10D_LINE = ("torchrun --rdzv-id=0 --rdzv-backend=c10d --rdzv-endpoint=$MASTER:29500 "
+             "--nnodes=N --nproc_per_node=G train.py")
+
+
+def _read(*parts):
+    return open(os.path.join(ROOT, *parts), encoding="utf-8").read()
+
+
+def _list_item(text, start):
+    """The numbered list item of text that starts with `start`, up to the next line that
+    is neither blank nor indented."""
+    i = text.index(start)
+    lines, out = text[i:].splitlines(), []
+    for n, line in enumerate(lines):
+        if n and line.strip() and not line.startswith(" "):
+            break
+        out.append(line)
+    return "\n".join(out)
+
+
+def _section(text, heading):
+    """From heading to the next heading (outside code blocks) of the same or a higher
+    level."""
+    level = len(heading) - len(heading.lstrip("#"))
+    lines = text[text.index(heading + "\n"):].splitlines()
+    out, in_code = [lines[0]], False
+    for line in lines[1:]:
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(rf"#{{1,{level}}} ", line):
+            break
+        out.append(line)
+    return "\n".join(out)
+
+
+def test_readme_step_5_holds_both_launch_lines():
+    item = re.sub(r"[ \t]+", " ", _list_item(_read("README.md"), "5. **Launch"))
+    assert STATIC_LINE in item and C10D_LINE in item, item
+    assert "PYDDP_PORT_RANGE=" in item, "the static line needs the data ports' range"
+    assert "docs/multi-vm.md#the-per-node-recipe" in item
+    assert "docs/elastic.md" in item
+
+
+def test_readme_cpu_torch_comes_before_the_first_command():
+    text = _read("README.md")
+    assert text.index("download.pytorch.org/whl/cpu") < text.index("bash scripts/train.sh")
+
+
+def test_readme_says_how_long_the_tests_take_and_what_they_skip_without_root():
+    text = _read("README.md")
+    tests = text[text.index("bash scripts/test.sh"):text.index("## Your own script")]
+    assert re.search(r"\d+ (?:s|minutes)\b", tests), "no duration"
+    assert "root" in tests
+    netns = _read("tests", "netns.py")
+    for reason in re.findall(r'\("([^"]+)"\)', tests):     # quoted skip reasons
+        assert reason in netns or reason in _read("tests", "gpu", "conftest.py"), reason
+
+
+def test_readme_wheel_step_names_its_limits():
+    step = _list_item(_read("README.md"), "1. **The same build")
+    assert "pip wheel" in step and "Python" in step and "architecture" in step
+
+
+def test_lightning_strategy_name_comes_with_its_import():
+    """strategy="ddp_pyddp" exists only after `import pyddp.lightning`: every code block
+    of the docs that uses the name imports it."""
+    wrong = []
+    for p in DOCS:
+        for block in re.findall(r"```[^\n]*\n(.*?)```", open(p, encoding="utf-8").read(), re.S):
+            if 'strategy="ddp_pyddp"' in block and "import pyddp.lightning" not in block:
+                wrong.append(f"{_rel(p)}: {block.strip()[:80]}")
+    assert not wrong, "\n".join(wrong)
+    assert "num_nodes" in _read("README.md")
+
+
+def test_per_node_recipe_is_complete_for_each_form():
+    text = _section(_read("docs", "multi-vm.md"), "## The per-node recipe")
+    forms = {"### Static form": STATIC_LINE, "### c10d form": C10D_LINE,
+             "### Cluster platform": "VC_WORKER_HOSTS"}
+    for heading, line in forms.items():
+        head = next(h for h in re.findall(r"^### .*$", text, re.M) if h.startswith(heading))
+        part = _section(text, head)
+        flat = re.sub(r"\\\n\s*", " ", part)
+        assert line in flat, heading
+        assert "PYDDP_AUTH_TOKEN" in part, heading
+        assert "pyddp.doctor" in part, heading
+        assert "pip install" in part, heading
+        assert re.search(r"security group|Rule", part, re.I), heading
+        if heading != "### c10d form":
+            assert "PYDDP_PORT_RANGE=" in part, heading
+        if heading != "### Cluster platform":      # the doctor alone, then under torchrun
+            assert "--listen" in part and line.replace("train.py", "-m pyddp.doctor") in flat
+
+
+def test_performance_page_is_for_users():
+    text = _read("docs", "performance.md")
+    assert len(text.splitlines()) <= 360, "performance.md: at most about 350 lines"
+    for word in ("not met", "before the change", "goal", "both parts"):
+        assert word not in text.lower(), word
+
+
+_PREFIX = re.compile(r"^(?:sudo |nice -n -?\d+ |[A-Z_]+=\S* )*")
+
+
+def _doc_commands(path):
+    """Every command line of a doc, code blocks and code spans, prefixes kept."""
+    text = open(path, encoding="utf-8").read()
+    out = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S):
+        out += [c.split("  #")[0].strip() for c in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    out += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    start = re.compile(r"(?:python3?|torchrun|bash|benchmarks/\S+) ")
+    return [c for c in out if start.match(_PREFIX.sub("", c))]
+
+
+def test_performance_commands_name_files_that_exist_and_ask_for_root():
+    """Each command of performance.md names files of the repository that exist (with or
+    without placeholders), and those that make network namespaces start with sudo."""
+    cmds = _doc_commands(os.path.join(ROOT, "docs", "performance.md"))
+    assert len(cmds) >= 10, cmds
+    wrong = []
+    for cmd in cmds:
+        for w in cmd.split():
+            if re.fullmatch(r"[\w./-]+/[\w.-]+\.(?:py|sh)", w) and \
+                    not os.path.exists(os.path.join(ROOT, w)):
+                wrong.append(f"{cmd} ({w} does not exist)")
+        needs_root = "two_hosts.py" in cmd or ("plots.py" in cmd and "--from-json" not in cmd
+                                               and "one_host" not in cmd)
+        if needs_root and not cmd.startswith("sudo "):
+            wrong.append(f"{cmd} (network namespaces need root: sudo)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_docs_commands_with_sudo_name_real_options_too():
+    """The commands test above skips lines that start with sudo or VAR=...: check their
+    scripts' options the same way."""
+    wrong = []
+    for p in DOCS:
+        for cmd in _doc_commands(p):
+            bare = _PREFIX.sub("", cmd)
+            if bare == cmd or _PLACEHOLDER.search(bare):
+                continue
+            words = bare.split()
+            script = next((w for w in words if re.fullmatch(r"[\w./-]+/[\w.-]+\.(?:py|sh)", w)),
+                          None)
+            if script is None or not os.path.exists(os.path.join(ROOT, script)):
+                continue
+            src = _read(script) + (_read(_PASS_ON[script]) if script in _PASS_ON else "")
+            rest = words[words.index(script) + 1:]
+            rest = rest[:rest.index("--")] if "--" in rest else rest
+            wrong += [f"{_rel(p)}: {cmd} ({w})" for w in rest if w.startswith("--")
+                      and f'"{w.split("=")[0]}"' not in src]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_train_backend_choices_match_its_help():
+    """examples/train.py --backend: the help names exactly the choices, and pyddp takes
+    each of them."""
+    import ast
+    from pyddp import _group
+    tree = ast.parse(_read("examples", "train.py"))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "attr", "") == "add_argument"
+                and n.args and getattr(n.args[0], "value", None) == "--backend")
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    choices, help_text = kw["choices"], kw["help"]
+    names = {"auto", "cpu", "gloo", "nccl", "mpi", "ucc"}
+    assert {w for w in re.findall(r"\w+", help_text) if w in names} == set(choices), help_text
+    for c in choices:
+        _group._pick_backend(c, check=False)
+
+
+def test_no_doc_says_ddp_needs_the_default_group():
+    """pyddp's DDP takes any group (process_group=, tested in tests/workers/ddp_parity.py)."""
+    found = [_rel(p) for p in DOCS if re.search(r"groups?\s+other\s+than\s+the\s+default",
+                                                open(p, encoding="utf-8").read())]
+    assert not found, found
+
+
+def test_gpu_page_says_it_is_untested_while_the_others_do():
+    """While torch-backend.md or lightning.md says the GPU path has not been run by the
+    tests, docs/gpu.md says so before its first section."""
+    others = [_read("docs", f) for f in ("torch-backend.md", "lightning.md")]
+    if any("has not been run" in t for t in others):
+        top = _read("docs", "gpu.md").split("\n## ")[0]
+        assert re.search(r"not (?:yet )?(?:been )?run on a GPU", top, re.I), top[:300]
+
+
+def test_no_docstring_puts_the_restart_count_in_the_key_prefix():
+    """The key prefix is the agreed round (_round), not TORCHELASTIC_RESTART_COUNT."""
+    import ast
+    wrong = []
+    for path in glob.glob(os.path.join(ROOT, "pyddp", "*.py")):
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        docs = [ast.get_docstring(n) or "" for n in ast.walk(tree) if isinstance(
+            n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        for sentence in re.split(r"(?<=[.;])\s", re.sub(r"\s+", " ", " ".join(docs))):
+            low = sentence.lower()
+            if ("restart count" in low or "restart_count" in low) and "part of" in low \
+                    and "prefix" in low and " not " not in low:
+                wrong.append(f"{_rel(path)}: {sentence[:160]}")
     assert not wrong, "\n".join(wrong)
