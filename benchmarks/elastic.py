@@ -2,22 +2,24 @@
 
     python benchmarks/elastic.py [--steps-per-epoch 20] [--hidden 512] [--settle 1]
 
-Two "nodes" on this machine (loopback), each a stock torchrun c10d agent
+Two "nodes" on this machine (loopback), each a stock torchrun agent
 (``--nnodes=1:2 --nproc_per_node=2``) running this file as the training script: an MLP
 under pyddp's DDP, DistributedSampler data, a commit (in place) or a checkpoint on each
-node's own disk (restart) every epoch. Node 1 is killed mid-epoch and, once the job goes
-on without it, started again (in place: the joining line, ``PYDDP_ELASTIC_JOIN=...
-torchrun --standalone``; restart: the same line). Printed for each mode:
+node's own disk (restart) every epoch. Node 0 is the endpoint. Three changes, each
+measured from the moment it happens:
 
-* loss -> first step at the new size: from the kill to the first step the survivors
-  complete at world 2 (the kill of a process is noticed at once);
-* join -> first step at the larger size: from starting the node's launcher to the first
-  step at world 4 (the new processes' own start-up, imports included, is in it);
-* survivors held up by the join: the longest gap between two steps of rank 0 around it.
+1. node 1 is killed mid-epoch (loss -> first step at world 2), then started again with
+   the same line (return -> first step at world 4; how long the survivors were held up:
+   the longest gap between two steps of rank 0 around it; the new processes' own
+   start-up, imports included, is in the return time);
+2. one worker of node 0 (the store's node) is killed: its agent starts that node's
+   workers again (crash -> first step at any size; -> first step at world 4 again);
+3. node 1's torchrun is sent SIGTERM, a spot VM's notice (leave -> first step at world
+   2; steps lost: steps done before the change that were done again after it).
 
-Restart runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the only way it can grow back,
-see docs/elastic.md) and --max-restarts=6; in place with torchrun's default store and
---max-restarts=0, the launch lines docs/elastic.md gives for each mode.
+Restart runs with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the only way it can grow
+back, see docs/elastic.md) and --max-restarts=6; in place with docs/elastic.md's line
+(``--rdzv-backend=pyddp --max-restarts=100``).
 """
 import argparse
 import json
@@ -68,7 +70,8 @@ def _worker(mode, steps_per_epoch, hidden, stop_file):
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             opt.step()
             if dist.get_rank() == 0:
-                print(f"STEP {time.time():.4f} {dist.get_world_size()}", flush=True)
+                print(f"STEP {time.time():.4f} {dist.get_world_size()} "
+                      f"{epoch * steps_per_epoch + i // b}", flush=True)
 
     def stop():
         flag = [os.path.exists(stop_file)]
@@ -163,7 +166,7 @@ class _Job:
         self.procs = []
         self.tail = []           # the last output lines, shown when a wait fails
 
-    def start(self, node, join=False):
+    def start(self, node):
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                    CKPT_DIR=os.path.join(self.tmp, f"ckpt{node}"),
                    PYDDP_ELASTIC_SETTLE_S=str(self.args.settle))
@@ -171,9 +174,11 @@ class _Job:
             env.pop(k, None)
         if self.mode == "restart":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        if join:
-            env["PYDDP_ELASTIC_JOIN"] = f"127.0.0.1:{self.port}/bench"
-            launch = ["--standalone", "--nproc_per_node=2"]
+        if self.mode == "inplace":
+            launch = ["--nnodes=1:2", "--nproc_per_node=2", "--rdzv-backend=pyddp",
+                      f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
+                      "--max-restarts=100", "--monitor-interval=0.5",
+                      f"--rdzv-conf=last_call_timeout=2,is_host={int(node == 0)}"]
         else:
             launch = ["--nnodes=1:2", "--nproc_per_node=2", "--rdzv-backend=c10d",
                       f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
@@ -195,22 +200,30 @@ class _Job:
             self.tail.append(f"{time.time():.2f} {line.rstrip()}")
             del self.tail[:-40]
             if line.startswith("STEP "):
-                _, t, w = line.split()
-                self.q.put((float(t), int(w)))
+                _, t, w, g = line.split()
+                self.q.put((float(t), int(w), int(g)))
 
-    def first_step(self, world, timeout):
-        """Steps until one at this world size: (its time, the longest gap seen)."""
+    def drain(self):
+        """Forget the steps so far; the global step number of the last one."""
+        g = None
+        while not self.q.empty():
+            g = self.q.get()[2]
+        return g
+
+    def first_step(self, world, timeout, after=0.0):
+        """Steps until one at this world size (any, for None) done after time `after`:
+        (its time, the longest gap seen, its global step number)."""
         deadline, last, gap = time.monotonic() + timeout, None, 0.0
         while time.monotonic() < deadline:
             try:
-                t, w = self.q.get(timeout=0.5)
+                t, w, g = self.q.get(timeout=0.5)
             except queue.Empty:
                 continue
             if last is not None:
                 gap = max(gap, t - last)
             last = t
-            if w == world:
-                return t, gap
+            if (world is None or w == world) and t > after:
+                return t, gap, g
         raise RuntimeError(f"{self.mode}: no step at world {world} within {timeout} s\n"
                            + "\n".join(self.tail))
 
@@ -224,28 +237,51 @@ class _Job:
             p.wait()
 
 
+def _worker_of(pid):
+    """One worker process under the launcher pid (a python running this file)."""
+    for p in _descendants(pid)[1:]:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"--worker" in f.read():
+                    return p
+        except OSError:
+            continue
+    raise RuntimeError("no worker found")
+
+
 def _measure(mode, args):
     tmp = tempfile.mkdtemp(prefix=f"pyddp-elastic-{mode}-")
     job = _Job(mode, args, tmp)
+    out = {}
     try:
         job.start(0)
         node1 = job.start(1)
         job.first_step(4, 180)
         time.sleep(args.warm)
-        while not job.q.empty():
-            job.q.get()
-        t_kill = time.time()
+        job.drain()
+        t = time.time()
         _kill_node(node1.pid)
-        t_small, _ = job.first_step(2, 180)
+        out["loss_to_step_s"] = job.first_step(2, 180, t)[0] - t
         time.sleep(args.warm)
-        while not job.q.empty():
-            job.q.get()
-        t_join = time.time()
-        job.start(1, join=(mode == "inplace"))
-        t_big, gap = job.first_step(4, 180)
+        job.drain()
+        t = time.time()
+        node1 = job.start(1)
+        t_big, gap, _ = job.first_step(4, 180, t)
+        out["return_to_step_s"], out["survivors_held_s"] = t_big - t, gap
+        time.sleep(args.warm)
+        job.drain()
+        t = time.time()
+        os.kill(_worker_of(job.procs[0].pid), signal.SIGKILL)
+        out["crash_to_step_s"] = job.first_step(None, 180, t)[0] - t
+        out["crash_to_full_s"] = job.first_step(4, 180, t)[0] - t
+        time.sleep(args.warm)
+        before = job.drain()
+        t = time.time()
+        node1.send_signal(signal.SIGTERM)
+        t_small, _, g = job.first_step(2, 180, t)
+        out["leave_to_step_s"], out["leave_steps_lost"] = t_small - t, max(0, before - g + 1)
         open(job.stop_file, "w").close()
-        return {"loss_to_step_s": t_small - t_kill, "join_to_step_s": t_big - t_join,
-                "survivors_held_s": gap}
+        return out
     finally:
         job.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -270,11 +306,17 @@ def main():
         return
     print(f"2 nodes x 2 ranks on loopback, MLP hidden={a.hidden}, "
           f"{a.steps_per_epoch} steps/epoch, PYDDP_ELASTIC_SETTLE_S={a.settle:g}")
-    print(f"{'':34} {'torchrun restart':>17} {'pyddp in place':>15}")
-    for key, name in (("loss_to_step_s", "loss -> first step at world 2"),
-                      ("join_to_step_s", "join -> first step at world 4"),
-                      ("survivors_held_s", "survivors held up by the join")):
-        print(f"{name:34} {rows['restart'][key]:>15.2f} s {rows['inplace'][key]:>13.2f} s")
+    print(f"{'':40} {'torchrun restart':>17} {'pyddp in place':>15}")
+    for key, name in (("loss_to_step_s", "node lost -> first step at world 2"),
+                      ("return_to_step_s", "same line again -> first step at world 4"),
+                      ("survivors_held_s", "survivors held up by the return"),
+                      ("crash_to_step_s", "worker crash on node 0 -> first step"),
+                      ("crash_to_full_s", "worker crash on node 0 -> world 4 again"),
+                      ("leave_to_step_s", "SIGTERM to node 1 -> first step at world 2"),
+                      ("leave_steps_lost", "SIGTERM to node 1: steps lost")):
+        unit = "" if key.endswith("lost") else " s"
+        print(f"{name:40} {rows['restart'][key]:>15.2f}{unit:2} "
+              f"{rows['inplace'][key]:>13.2f}{unit:2}")
 
 
 if __name__ == "__main__":
