@@ -28,8 +28,9 @@ JOB = os.path.join(WORKERS, "elastic_job.py")
 class LocalJob:
     """The processes of one job on loopback; their output lines go to one queue."""
 
-    def __init__(self, tmp, step_s=0.05, mode="inplace", env=None):
+    def __init__(self, tmp, step_s=0.05, mode="inplace", env=None, script=JOB):
         self.port = free_port()
+        self.script = script
         self.stop_file = str(tmp / "stop")
         self.step_s, self.mode, self.env = step_s, mode, env or {}
         self.q = queue.Queue()
@@ -43,7 +44,8 @@ class LocalJob:
                    **self.env)
         if join:
             env["PYDDP_ELASTIC_JOIN"] = f"127.0.0.1:{self.port}"
-        p = subprocess.Popen([PY, JOB, self.mode, str(self.step_s), self.stop_file], env=env,
+        args = [self.mode] if self.script == JOB else []
+        p = subprocess.Popen([PY, self.script, *args, str(self.step_s), self.stop_file], env=env,
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
         self.procs[name] = p
@@ -56,6 +58,9 @@ class LocalJob:
     def kill(self, *names):
         for n in names:
             kill_group(self.procs[n].pid)
+
+    def signal(self, name, sig):
+        os.kill(self.procs[name].pid, sig)
 
     def wait_for(self, pred, timeout, what):
         """Read lines until pred(record) holds for a new JSON epoch record; return it."""
@@ -246,3 +251,81 @@ def test_inplace_commits_on_disk_resume_a_new_start(tmp_path):
         assert rec["covered"] and rec["used"] == N and len(set(rec["digests"])) == 1, rec
     epochs = [r["epoch"] for r in again.records]
     assert epochs == list(range(epochs[0], epochs[0] + len(epochs))), epochs
+
+
+STATE_JOB = os.path.join(WORKERS, "elastic_state.py")
+
+
+def check_state_records(records):
+    """elastic_state.py's records: every sample of every epoch applied once (the
+    padding a re-shard adds aside), and after every change the same learning rate, step
+    counts and state digest on every rank, the scheduler having counted exactly the
+    steps applied, and per-rank random streams."""
+    assert records
+    for rec in records:
+        e, ranks = rec["epoch"], rec["ranks"]
+        assert rec["min"] == 1, rec              # no sample missed, none rolled away
+        assert rec["max"] <= 2 and rec["twice"] <= 2 * 3, rec    # padding: < W per shard
+        assert len({r["digest"] for r in ranks}) == 1, rec
+        assert len({(r["lr"], r["sched"], r["step"]) for r in ranks}) == 1, rec
+        assert ranks[0]["sched"] == ranks[0]["step"], rec    # it drives its optimizer
+        if len(ranks) > 1:
+            assert len({r["draw"] for r in ranks}) == len(ranks), rec   # streams per rank
+
+
+def test_inplace_state_objects_sampler_and_rng(tmp_path):
+    """A LambdaLR scheduler with a lambda, an ElasticSampler and per-rank RNG in the
+    state, commits every 2 steps: rank 2 of 3 killed mid-epoch, then a joiner; every
+    epoch applies each sample once, and the ranks agree on everything but their random
+    draws."""
+    import signal as _signal  # noqa: F401
+    job = LocalJob(tmp_path, step_s=0.03, script=STATE_JOB)
+    try:
+        for r in range(3):
+            job.start(f"r{r}", r, 3)
+        pids = [r["pid"] for r in job.wait_for(
+            lambda r: r["world"] == 3 and r["epoch"] >= 1, 90, "epoch at world 3")["ranks"]]
+        time.sleep(0.2)
+        job.kill("r2")
+        rec = job.wait_for(lambda r: r["world"] == 2, 60, "epoch at world 2")
+        assert [r["pid"] for r in rec["ranks"]] == pids[:2], rec
+        job.start("j1", join=True)
+        job.wait_for(lambda r: r["world"] == 3, 60, "epoch at world 3 after a join")
+        job.finish(["r0", "r1", "j1"])
+    finally:
+        job.close()
+    check_state_records(job.records)
+
+
+def test_inplace_paused_rank_is_kept_and_one_paused_too_long_leaves(tmp_path):
+    """4 ranks, PYDDP_PEER_DEAD_S=3. Rank 1 stopped for 2 s (SIGSTOP: a long GC) while
+    rank 3 dies: it is waited for (its liveness port still takes connections) and stays
+    in the job. Then rank 1 stopped while rank 2 dies, for longer than 3 s: the job goes
+    on without it and, once it runs again, rank 1 exits non-zero within seconds saying
+    it was left out, instead of looping."""
+    import signal as sg
+    job = LocalJob(tmp_path, env={"PYDDP_PEER_DEAD_S": "3"})
+    try:
+        for r in range(4):
+            job.start(f"r{r}", r, 4)
+        pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 90,
+                            "epoch at world 4")["pids"]
+        job.signal("r1", sg.SIGSTOP)
+        job.kill("r3")
+        time.sleep(2)
+        job.signal("r1", sg.SIGCONT)
+        rec = job.wait_for(lambda r: r["world"] == 3, 60, "epoch at world 3")
+        assert rec["pids"] == pids[:3], rec                 # the paused rank stayed
+        job.signal("r1", sg.SIGSTOP)
+        job.kill("r2")
+        rec = job.wait_for(lambda r: r["world"] == 1, 60, "epoch at world 1")
+        assert rec["pids"] == pids[:1], rec
+        t0 = time.monotonic()
+        job.signal("r1", sg.SIGCONT)
+        assert job.procs["r1"].wait(timeout=30) != 0
+        assert time.monotonic() - t0 < 20
+        job.wait_line(lambda n, ln: n == "r1" and "left out" in ln, 10, "r1's error")
+        job.finish(["r0"])
+    finally:
+        job.close()
+    check_records(job.records)

@@ -15,7 +15,8 @@ Shaped after Horovod Elastic::
             state.commit()        # a point every rank can roll back to
     train(state)
 
-The package: ``_state`` (the State kinds), ``_run`` (run, the graceful leave),
+The package: ``_state`` (the State kinds), ``_sampler`` (ElasticSampler: the data
+position in the state), ``_rng`` (per-rank random streams), ``_run`` (run, the graceful leave),
 ``_membership`` (who is in the job, agreed through its store), ``_persist`` (commits on
 each node's disk), ``_handler`` (torchrun's ``--rdzv-backend=pyddp``: the job's store
 with the endpoint, returning nodes admitted in place), ``_round`` (the rendezvous round
@@ -35,10 +36,11 @@ them at the same points.
 """
 from . import _membership
 from ._run import joined, run
+from ._sampler import ElasticSampler
 from ._state import NumPyState, ObjectState, State, TorchState
 
-__all__ = ["State", "ObjectState", "TorchState", "NumPyState", "run", "joined", "StoreLost",
-           "LeftOut"]
+__all__ = ["State", "ObjectState", "TorchState", "NumPyState", "ElasticSampler", "run",
+           "joined", "StoreLost", "LeftOut"]
 
 StoreLost = _membership.StoreLost
 LeftOut = _membership.LeftOut

@@ -99,6 +99,7 @@ class Membership:
         self.store_error = None                   # the watcher's store error
         self.leaving = False                      # sent SIGTERM: leaves at a commit
         self.joined_now = False                   # the current epoch admitted joiners
+        self._live = None                         # (listening socket, "host:port")
 
     # -- the watcher ------------------------------------------------------------------
 
@@ -107,6 +108,8 @@ class Membership:
         self.group = group
         self.changed, self.store_error = None, None
         self._stop = threading.Event()
+        if self._live is None:
+            self._live = _liveness_listener()
         if self._watch_store is None:
             from ..store import TCPStore
             host = "localhost" if self.store._server is not None else self.store.host
@@ -121,9 +124,12 @@ class Membership:
         st = self._watch_store
         try:
             beat = f"{self.base}/beat"
+            if self._live is not None:
+                st.set(f"{self.base}/{epoch}/addr/{self.rank}", self._live[1])
             while not stop.is_set():
                 if self.rank == 0:
                     st.add(beat, 1)
+                _drain(self._live)
                 try:
                     st.wait([key], timeout=_WATCH_POLL)
                     break
@@ -168,11 +174,7 @@ class Membership:
         st.set(f"{reg}/{ticket}", json.dumps({"id": self.me, "rank": self.rank,
                                               "leaving": self.leaving}))
         settle, lag = _settle_s(), 0.2 * (ticket - 1)
-        deadline = time.monotonic() + settle + lag
-        n = st.add(reg, 0)
-        while n < self.size and time.monotonic() < deadline and not st.check([prop_key]):
-            time.sleep(_POLL_S)
-            n = st.add(reg, 0)
+        n = self._wait_for_answers(st, epoch, reg, prop_key, settle, lag)
         if not st.check([prop_key]):
             refused = self._failed_joiners(st, epoch)
             answers = [json.loads(a) for a in
@@ -211,6 +213,38 @@ class Membership:
         log.warning("pyddp: elastic: world %d -> %d (%s; lost ranks %s, %d joined)",
                     self.size, len(ids), self.changed, lost, len(joiners))
 
+    def _wait_for_answers(self, st, epoch, reg, prop_key, settle, lag):
+        """Wait until every rank of epoch answered, or until those that did not are all
+        known to be gone; returns the number of answers. A rank whose liveness port
+        still takes connections is alive (paused by SIGSTOP, a long GC, a stalled disk:
+        its kernel answers for it) and is waited for up to PYDDP_PEER_DEAD_S; one whose
+        port refuses (its process died) or does not answer (its host vanished) is gone
+        at once; one that published no port is waited for PYDDP_ELASTIC_SETTLE_S."""
+        t0 = time.monotonic()
+        settle_end, alive_end = t0 + settle + lag, t0 + _peer_dead_s() + lag
+        records, next_probe = {}, t0 + 0.1
+        while True:
+            n = st.add(reg, 0)
+            if n >= self.size or st.check([prop_key]):
+                return n
+            now = time.monotonic()
+            if now >= next_probe:
+                for t in range(1, n + 1):
+                    if t not in records:
+                        raw = _get_optional(st, f"{reg}/{t}", 0.2)
+                        records[t] = json.loads(raw)["rank"] if raw is not None else None
+                pending = set(range(self.size)) - set(records.values())
+                seen = {r: _probe(st, f"{self.base}/{epoch}/addr/{r}") for r in pending}
+                if all(v == "gone" for v in seen.values()):
+                    return n
+                if "alive" in seen.values():
+                    if now >= alive_end:
+                        return n
+                elif now >= settle_end:
+                    return n
+                next_probe = time.monotonic() + 0.3
+            time.sleep(_POLL_S)
+
     def _failed_joiners(self, st, epoch):
         """{id: why} of the processes admitted into epoch when that epoch never came up
         (its rebuild or sync failed: those are the suspects; the founders of a failed
@@ -242,6 +276,9 @@ class Membership:
 
     def close(self):
         self.stop()
+        if self._live is not None:
+            self._live[0].close()
+            self._live = None
         if self._watch_store is not None:
             self._watch_store.close()
             self._watch_store = None
@@ -370,6 +407,64 @@ def ready_joiners(st, base, admitted):
         if len(members) >= members[0][1]["local_size"]:
             ready += sorted(members, key=lambda m: m[1]["local_rank"])
     return ready
+
+
+def _peer_dead_s():
+    return float(_C.setting("PYDDP_PEER_DEAD_S"))
+
+
+def _liveness_listener():
+    """(socket, "host:port"): a listening socket whose only job is to be connectable
+    while this process lives, even stopped (its kernel completes the handshake), and to
+    refuse once it died. In PYDDP_PORT_RANGE when set (one more port per rank), else
+    an ephemeral port; advertised at the address this rank's data links use. None when
+    no port can be had (the rank is then waited for PYDDP_ELASTIC_SETTLE_S)."""
+    from .._group import _State
+    host = _env.advertise_address(_State.master_addr)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    lo, hi = _env.port_range()
+    for port in (range(lo, hi + 1) if lo else [0]):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            s.bind(("", port))
+            s.listen(128)
+            s.setblocking(False)
+        except OSError:
+            s.close()
+            continue
+        p = s.getsockname()[1]
+        return s, (f"[{host}]:{p}" if family == socket.AF_INET6 else f"{host}:{p}")
+    log.warning("pyddp: elastic: no port for the liveness listener (PYDDP_PORT_RANGE "
+                "full?): a paused rank is waited for PYDDP_ELASTIC_SETTLE_S only")
+    return None
+
+
+def _drain(live):
+    """Close the probes that arrived (the watcher does it twice a second)."""
+    if live is None:
+        return
+    while True:
+        try:
+            conn, _ = live[0].accept()
+        except (BlockingIOError, OSError):
+            return
+        conn.close()
+
+
+def _probe(st, key):
+    """"alive", "gone" or "unknown" for the rank that published its liveness address
+    under key."""
+    raw = _get_optional(st, key, 0.05)
+    if raw is None:
+        return "unknown"
+    host, _, port = raw.decode().rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+            return "alive"
+    except ConnectionRefusedError:
+        return "gone"
+    except OSError:
+        return "gone"       # no answer within 0.5 s: the host or the network is gone
 
 
 def _get_optional(st, key, timeout_s):

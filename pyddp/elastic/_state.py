@@ -13,7 +13,7 @@ import numpy as np
 
 from .._group import _State, _require
 from .._objects import all_gather_object, broadcast_object_list
-from . import _persist
+from . import _persist, _rng
 
 log = logging.getLogger("pyddp")
 
@@ -38,13 +38,33 @@ def membership_of_job():
     return _State.membership
 
 
+def _stateful(v):
+    """Whether v is an object with state (a model, an optimizer, an LR scheduler, a
+    GradScaler, an EMA model, an ElasticSampler): it has state_dict/load_state_dict."""
+    return not isinstance(v, type) and callable(getattr(v, "state_dict", None)) and \
+        callable(getattr(v, "load_state_dict", None))
+
+
+def _is_module(v):
+    import sys
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(v, torch.nn.Module)
+
+
 class State:
-    """What an in-place job rolls back to and hands to new members: user attributes
-    (keyword arguments, saved by deep copy and sent by pickling) plus what subclasses
-    add. Subclasses implement ``_save``/``_restore``/``_send``."""
+    """What an in-place job rolls back to and hands to new members. Keyword arguments
+    become attributes of the state: objects with ``state_dict``/``load_state_dict``
+    (models, optimizers, LR schedulers, ``GradScaler``, EMA models, ``ElasticSampler``)
+    are saved through their state_dicts and restored in place, in the order given, so a
+    scheduler keeps driving its optimizer; any other value (counters, picklable objects)
+    is saved by deep copy. A commit also keeps this process's random number generators'
+    states (torch's CPU one, NumPy's global one, Python's ``random``): they are rolled
+    back per rank, never synced, so every rank keeps a stream of its own; a joiner's are
+    seeded from the job and its rank. Subclasses add ``_save``/``_restore``/``_send``."""
 
     def __init__(self, **kwargs):
-        self._names = list(kwargs)
+        self._objects = [k for k, v in kwargs.items() if _stateful(v)]
+        self._names = [k for k in kwargs if k not in self._objects]
         for k, v in kwargs.items():
             setattr(self, k, v)
         self._commit_no = 0
@@ -55,7 +75,7 @@ class State:
     def register_reset_callbacks(self, callbacks):
         """Functions called (without arguments) after every membership change, once the
         new world is up and the state synced: re-make what depends on the world size
-        (samplers, learning-rate scaling, new_group() groups)."""
+        (samplers, learning-rate scaling, new_group() groups, torch's DDP wrapper)."""
         self._callbacks.extend(callbacks)
 
     def on_reset(self):
@@ -65,15 +85,19 @@ class State:
     def save(self):
         """Keep a copy of the state in memory (commit() does this)."""
         self._saved = (self._commit_no, {k: copy.deepcopy(getattr(self, k)) for k in self._names},
-                       self._save())
+                       ({k: _snapshot(getattr(self, k)) for k in self._objects},
+                        _rng.capture(), self._save()))
 
     def restore(self):
         """Roll back to the last save or commit."""
         if self._saved is None:
             return
-        self._commit_no, attrs, extra = self._saved
+        self._commit_no, attrs, (objects, rng, extra) = self._saved
         for k, v in attrs.items():
             setattr(self, k, copy.deepcopy(v))
+        for k in self._objects:
+            _load(getattr(self, k), objects[k])
+        _rng.restore(rng)
         self._restore(extra)
 
     def commit(self):
@@ -115,6 +139,8 @@ class State:
         rank among equals; a joiner has none), then save it (collective)."""
         g = _require()
         if g.size == 1:
+            if _State.joined:
+                _rng.seed_joiner(_State.membership.base, g.rank)
             _State.joined = False
             self.save()
             return
@@ -122,14 +148,23 @@ class State:
         nos = [None] * g.size
         all_gather_object(nos, mine)
         src = nos.index(max(nos))
-        box = [(self._commit_no, {k: getattr(self, k) for k in self._names})
+        objects = [k for k in self._objects if not _is_module(getattr(self, k))]
+        box = [(self._commit_no, {k: getattr(self, k) for k in self._names},
+                {k: getattr(self, k).state_dict() for k in objects})
                if g.rank == src else None]
         broadcast_object_list(box, src=src)
+        for k in self._objects:
+            if k not in objects:
+                _send_module(getattr(self, k), src)
         if g.rank != src:
-            self._commit_no, attrs = box[0]
+            self._commit_no, attrs, dicts = box[0]
             for k, v in attrs.items():
                 setattr(self, k, v)
+            for k in objects:
+                getattr(self, k).load_state_dict(dicts[k])
         self._send(src)
+        if _State.joined:
+            _rng.seed_joiner(_State.membership.base, g.rank)
         _State.joined = False
         self.save()
 
@@ -148,43 +183,43 @@ class ObjectState(State):
 
 
 class TorchState(State):
-    """A torch model (a module or its DDP wrapper) and optimizer, plus user attributes.
-    Saved by copying their state_dicts in memory; sent from the source rank by
-    broadcasting the parameters and buffers in place and pickling the optimizer's
-    state."""
+    """A torch model (a module or its DDP wrapper) and optimizer, plus any other
+    attributes (schedulers, a GradScaler, EMA models, an ElasticSampler, counters; see
+    State). The model's parameters and buffers are sent from the source rank by
+    broadcasting them in place; the optimizer's and the other objects' state_dicts by
+    pickling."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
+        given = {k: v for k, v in (("model", model), ("optimizer", optimizer))
+                 if v is not None}
+        super().__init__(**given, **kwargs)
         self.model, self.optimizer = model, optimizer
-        super().__init__(**kwargs)
 
-    def _save(self):
-        m = {k: v.detach().clone() for k, v in self.model.state_dict().items()} \
-            if self.model is not None else None
-        o = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        return m, o
 
-    def _restore(self, saved):
+def _snapshot(obj):
+    """A copy of obj's state that later changes to obj do not touch."""
+    if _is_module(obj):
+        return {k: v.detach().clone() for k, v in obj.state_dict().items()}
+    return copy.deepcopy(obj.state_dict())
+
+
+def _load(obj, snap):
+    """Put a _snapshot back into obj, in place (the snapshot stays usable)."""
+    if _is_module(obj):
         import torch
-        m, o = saved
-        if m is not None:
-            with torch.no_grad():
-                self.model.load_state_dict(m)
-        if o is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(o))
+        with torch.no_grad():
+            obj.load_state_dict(snap)
+    else:
+        obj.load_state_dict(copy.deepcopy(snap))
 
-    def _send(self, src):
-        import torch
-        from ..collectives import broadcast
-        g = _require()
-        if self.model is not None:
-            with torch.no_grad():
-                for t in self.model.state_dict().values():
-                    broadcast(t, src=src)
-        if self.optimizer is not None:
-            box = [self.optimizer.state_dict() if g.rank == src else None]
-            broadcast_object_list(box, src=src)
-            if g.rank != src:
-                self.optimizer.load_state_dict(box[0])
+
+def _send_module(module, src):
+    """Broadcast a torch module's parameters and buffers from src, in place."""
+    import torch
+    from ..collectives import broadcast
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            broadcast(t, src=src)
 
 
 class NumPyState(State):
