@@ -171,10 +171,10 @@ def _joins_running_job(store, be, backend, timeout_s, device_id, rdzv):
     again, or a new one) whose store holds a running in-place elastic job joins that
     job instead of starting a new one over it: True when it did (init is done). A job
     recorded there that no longer runs is marked finished and False returned."""
-    from .elastic import _membership
+    from .elastic import _live, _membership
     try:
-        rec = _membership.live_job(store)
-        if rec is None or not _membership.job_alive(store, rec):
+        rec = _live.live_job(store)
+        if rec is None or not _live.job_alive(store, rec):
             return False
         log.warning("pyddp: rank %d: an in-place elastic job runs at %s:%s; joining it "
                     "(admitted at its next commit)", rdzv.rank, rdzv.master_addr,

@@ -40,8 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, Ren
                                                       RendezvousInfo, RendezvousStoreInfo)
 
 from .. import _C
-from ..store import TCPStore
-from . import _membership
+from . import _live
 
 log = logging.getLogger("pyddp")
 
@@ -127,9 +126,9 @@ class AgentStore:
 
 def _job_finished(store):
     """An in-place job ran on store and has finished."""
-    if not store.check([_membership.LIVE_KEY]):
+    if not store.check([_live.LIVE_KEY]):
         return False
-    return bool(json.loads(store.get(_membership.LIVE_KEY)).get("done"))
+    return bool(json.loads(store.get(_live.LIVE_KEY)).get("done"))
 
 
 class PyddpRendezvousHandler(RendezvousHandler):
@@ -241,11 +240,11 @@ class PyddpRendezvousHandler(RendezvousHandler):
     # -- rounds -------------------------------------------------------------------------
 
     def _in_place(self):
-        return _membership.live_job(self.store) is not None
+        return _live.live_job(self.store) is not None
 
     def _joins_in_place(self):
-        rec = _membership.live_job(self.store)
-        return rec is not None and _membership.job_alive(self.store, rec)
+        rec = _live.live_job(self.store)
+        return rec is not None and _live.job_alive(self.store, rec)
 
     def _current_round(self):
         raw = self.store.compare_set(self.prefix + "round", "", "0")

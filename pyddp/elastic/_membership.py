@@ -24,11 +24,11 @@ and a key space ``E`` (``<the world's key prefix>/elastic``) in the job's store:
   (the live record) names ``E``, the epoch, pyddp's version and a proof of the job's
   PYDDP_AUTH_TOKEN, so a joiner needs only the store address, and one built from
   another version or holding another token is refused on its own side before it
-  asks (``check_joiner``).
+  asks (``_live.check_joiner``).
 * ``E/beat``: a counter rank 0's watcher raises twice a second. A live record whose
   counter stands still is a job that is gone (every rank died, the store survived):
   a process that finds it starts a new job instead of waiting to be admitted
-  (``job_alive``).
+  (``_live.job_alive``; a paused rank is told from a dead one by ``_liveness``).
 * ``E/<e>/up``: set by rank 0 once epoch ``e``'s group is made and its state synced.
   A change of an epoch that never came up (its rebuild failed: a joiner whose data
   ports the others cannot reach, say) leaves out the processes that epoch admitted,
@@ -39,8 +39,6 @@ Every member of ``E/<e+1>/members`` then makes the new world group under the pre
 itself left out and gets a clear error. A store that fails during all this is reported
 as the loss of the job's store host, which in-place recovery cannot outlive.
 """
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -52,10 +50,11 @@ from datetime import timedelta
 
 from .. import _C, _env
 from .._version import __version__
+from . import _liveness
+from ._live import LIVE_KEY, check_joiner, get_optional, publish, update_live
 
 log = logging.getLogger("pyddp")
 
-LIVE_KEY = "/pyddp/elastic/live"
 _POLL_S = 0.02
 _WATCH_POLL = timedelta(seconds=0.5)
 
@@ -109,7 +108,7 @@ class Membership:
         self.changed, self.store_error = None, None
         self._stop = threading.Event()
         if self._live is None:
-            self._live = _liveness_listener()
+            self._live = _liveness.liveness_listener()
         if self._watch_store is None:
             from ..store import TCPStore
             host = "localhost" if self.store._server is not None else self.store.host
@@ -129,7 +128,7 @@ class Membership:
             while not stop.is_set():
                 if self.rank == 0:
                     st.add(beat, 1)
-                _drain(self._live)
+                _liveness.drain(self._live)
                 try:
                     st.wait([key], timeout=_WATCH_POLL)
                     break
@@ -178,7 +177,7 @@ class Membership:
         if not st.check([prop_key]):
             refused = self._failed_joiners(st, epoch)
             answers = [json.loads(a) for a in
-                       (_get_optional(st, f"{reg}/{t}", settle + 1) for t in range(1, n + 1))
+                       (get_optional(st, f"{reg}/{t}", settle + 1) for t in range(1, n + 1))
                        if a is not None]
             answers = sorted((a for a in answers if a["id"] not in refused
                               and not a.get("leaving")), key=lambda x: x["rank"])
@@ -209,7 +208,7 @@ class Membership:
             return                                  # another rank's value stands
         for i, _ in joiners:
             st.set(f"{self.base}/join/{i}/epoch", str(epoch + 1))
-        _update_live(st, epoch=epoch + 1)
+        update_live(st, epoch=epoch + 1)
         log.warning("pyddp: elastic: world %d -> %d (%s; lost ranks %s, %d joined)",
                     self.size, len(ids), self.changed, lost, len(joiners))
 
@@ -221,7 +220,7 @@ class Membership:
         port refuses (its process died) or does not answer (its host vanished) is gone
         at once; one that published no port is waited for PYDDP_ELASTIC_SETTLE_S."""
         t0 = time.monotonic()
-        settle_end, alive_end = t0 + settle + lag, t0 + _peer_dead_s() + lag
+        settle_end, alive_end = t0 + settle + lag, t0 + _liveness.peer_dead_s() + lag
         records, next_probe = {}, t0 + 0.1
         while True:
             n = st.add(reg, 0)
@@ -231,10 +230,10 @@ class Membership:
             if now >= next_probe:
                 for t in range(1, n + 1):
                     if t not in records:
-                        raw = _get_optional(st, f"{reg}/{t}", 0.2)
+                        raw = get_optional(st, f"{reg}/{t}", 0.2)
                         records[t] = json.loads(raw)["rank"] if raw is not None else None
                 pending = set(range(self.size)) - set(records.values())
-                seen = {r: _probe(st, f"{self.base}/{epoch}/addr/{r}") for r in pending}
+                seen = {r: _liveness.probe(st, f"{self.base}/{epoch}/addr/{r}") for r in pending}
                 if all(v == "gone" for v in seen.values()):
                     return n
                 if "alive" in seen.values():
@@ -251,7 +250,7 @@ class Membership:
         epoch were all up in the one before)."""
         if epoch == 0 or st.check([f"{self.base}/{epoch}/up"]):
             return {}
-        raw = _get_optional(st, f"{self.base}/{epoch}/members", 1)
+        raw = get_optional(st, f"{self.base}/{epoch}/members", 1)
         joined = json.loads(raw).get("joined", []) if raw is not None else []
         why = (f"the job could not make its process group with this process in it "
                f"({self.changed}): check that the job's ranks can reach this node's data "
@@ -307,7 +306,7 @@ class Membership:
         join, and any that come later, are told so instead of waiting."""
         st = self.store
         try:
-            _update_live(st, epoch=self.epoch, done=True)
+            update_live(st, epoch=self.epoch, done=True)
             for i in range(st.add(f"{self.base}/join", 0)):
                 if i not in self.admitted:
                     st.set(f"{self.base}/join/{i}/epoch", "done")
@@ -397,7 +396,7 @@ def ready_joiners(st, base, admitted):
     nodes = {}
     for i in range(n):
         if i not in admitted:
-            raw = _get_optional(st, f"{base}/join/{i}", 0.5)
+            raw = get_optional(st, f"{base}/join/{i}", 0.5)
             if raw is None:        # died between its ticket and its record, or slow
                 continue
             r = json.loads(raw)
@@ -407,74 +406,6 @@ def ready_joiners(st, base, admitted):
         if len(members) >= members[0][1]["local_size"]:
             ready += sorted(members, key=lambda m: m[1]["local_rank"])
     return ready
-
-
-def _peer_dead_s():
-    return float(_C.setting("PYDDP_PEER_DEAD_S"))
-
-
-def _liveness_listener():
-    """(socket, "host:port"): a listening socket whose only job is to be connectable
-    while this process lives, even stopped (its kernel completes the handshake), and to
-    refuse once it died. In PYDDP_PORT_RANGE when set (one more port per rank), else
-    an ephemeral port; advertised at the address this rank's data links use. None when
-    no port can be had (the rank is then waited for PYDDP_ELASTIC_SETTLE_S)."""
-    from .._group import _State
-    host = _env.advertise_address(_State.master_addr)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    lo, hi = _env.port_range()
-    for port in (range(lo, hi + 1) if lo else [0]):
-        s = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            s.bind(("", port))
-            s.listen(128)
-            s.setblocking(False)
-        except OSError:
-            s.close()
-            continue
-        p = s.getsockname()[1]
-        return s, (f"[{host}]:{p}" if family == socket.AF_INET6 else f"{host}:{p}")
-    log.warning("pyddp: elastic: no port for the liveness listener (PYDDP_PORT_RANGE "
-                "full?): a paused rank is waited for PYDDP_ELASTIC_SETTLE_S only")
-    return None
-
-
-def _drain(live):
-    """Close the probes that arrived (the watcher does it twice a second)."""
-    if live is None:
-        return
-    while True:
-        try:
-            conn, _ = live[0].accept()
-        except (BlockingIOError, OSError):
-            return
-        conn.close()
-
-
-def _probe(st, key):
-    """"alive", "gone" or "unknown" for the rank that published its liveness address
-    under key."""
-    raw = _get_optional(st, key, 0.05)
-    if raw is None:
-        return "unknown"
-    host, _, port = raw.decode().rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
-            return "alive"
-    except ConnectionRefusedError:
-        return "gone"
-    except OSError:
-        return "gone"       # no answer within 0.5 s: the host or the network is gone
-
-
-def _get_optional(st, key, timeout_s):
-    """A key another process writes right after it took its ticket, or None when it
-    does not appear within timeout_s (that process died in between): a hole, skipped."""
-    try:
-        st.wait([key], timeout=timedelta(seconds=timeout_s))
-    except _C.DistTimeoutError:
-        return None
-    return st.get(key)
 
 
 def new_id():
@@ -487,82 +418,8 @@ def start(store, world_prefix, rank, size):
     base = f"{world_prefix}/elastic"
     m = Membership(store, base, 0, rank, size, (), new_id())
     if rank == 0:
-        nonce = uuid.uuid4().hex
-        store.set(LIVE_KEY, json.dumps({"base": base, "epoch": 0, "version": __version__,
-                                        "nonce": nonce, "proof": _proof(nonce)}))
+        publish(store, base)
     return m
-
-
-def _update_live(st, **fields):
-    """Rewrite the live record with fields changed (its version and proof kept)."""
-    rec = json.loads(st.get(LIVE_KEY))
-    rec.update(fields)
-    st.set(LIVE_KEY, json.dumps(rec))
-
-
-def _token():
-    """This process's PYDDP_AUTH_TOKEN (or its file's content), or b"" without one."""
-    tok = _C.setting_text("PYDDP_AUTH_TOKEN")
-    if not tok:
-        path = _C.setting_text("PYDDP_AUTH_TOKEN_FILE")
-        if path:
-            try:
-                with open(path, "rb") as f:
-                    return f.read().rstrip(b"\r\n")
-            except OSError:
-                return b""
-        return b""
-    return tok.encode()
-
-
-def _proof(nonce):
-    """HMAC of the job's nonce under this process's token: equal proofs, equal tokens."""
-    return hmac.new(_token(), b"pyddp-elastic-live:" + nonce.encode(),
-                    hashlib.sha256).hexdigest()
-
-
-def live_job(store):
-    """The live record of the in-place job running on store, or None (none ever ran
-    there, or the one that did has finished)."""
-    if not store.check([LIVE_KEY]):
-        return None
-    rec = json.loads(store.get(LIVE_KEY))
-    return None if rec.get("done") else rec
-
-
-def job_alive(store, rec):
-    """Whether the job of live record rec still runs: its rank 0 raises E/beat twice a
-    second (a change in progress pauses it for up to PYDDP_ELASTIC_SETTLE_S and a
-    rebuild). A job that is gone (all its ranks died, the store lived on) is marked
-    done, so that the processes started now make a new job."""
-    beat = f"{rec['base']}/beat"
-    first = store.add(beat, 0)
-    deadline = time.monotonic() + max(5.0, 2 * _settle_s() + 3)
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        if store.add(beat, 0) != first:
-            return True
-    raw = store.get(LIVE_KEY)
-    store.compare_set(LIVE_KEY, raw, json.dumps(dict(json.loads(raw), done=True,
-                                                     gone=True)))
-    log.warning("pyddp: elastic: the in-place job recorded at %s:%s no longer runs (no "
-                "heartbeat); starting a new one", store.host, store.port)
-    return False
-
-
-def check_joiner(store, rec):
-    """Refuse, before it asks, a process that cannot be part of the job of live record
-    rec: another pyddp version, or another PYDDP_AUTH_TOKEN."""
-    where = f"{store.host}:{store.port}"
-    if rec.get("version") != __version__:
-        raise _C.VersionMismatchError(
-            f"the in-place elastic job at {where} runs pyddp {rec.get('version')}, this "
-            f"process pyddp {__version__}: install the same pyddp on every node")
-    if "proof" in rec and not hmac.compare_digest(rec["proof"], _proof(rec["nonce"])):
-        raise _C.AuthenticationError(
-            f"the in-place elastic job at {where} was started with another "
-            f"PYDDP_AUTH_TOKEN than this process's (or with none, or this one has none): "
-            f"set the same token on every node")
 
 
 def torch_worker_store(rdzv_store, rdzv_id, rounds=256):

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._group import _State, _require
 from .._objects import all_gather_object, broadcast_object_list
-from . import _persist, _rng
+from . import _rng
 
 log = logging.getLogger("pyddp")
 
