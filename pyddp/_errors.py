@@ -23,6 +23,10 @@ COLLECTIVE_FAILURES = (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendE
 
 _MIXED = {}       # (torch class, pyddp class) -> the class raised for both
 
+# The last collective failure handed to torch code (pyddp.elastic reads it: torch's DDP
+# passes a failed all-reduce on as a plain RuntimeError).
+last_failure = None
+
 
 def raise_explained(group, e):
     """Raise e, a failure of a collective on group (a ``_group.Group``), with the
@@ -47,6 +51,9 @@ def torch_error(e):
     KeyboardInterrupt, errors that already are torch's) is returned unchanged."""
     if not isinstance(e, _C.DistError):
         return e
+    global last_failure
+    if isinstance(e, COLLECTIVE_FAILURES):
+        last_failure = e
     import torch.distributed as dist    # e is mapped for torch code: torch is imported
     if isinstance(e, dist.DistError):
         return e

@@ -41,6 +41,33 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
     return g
 
 
+def torch_world(store, rank, world_size, timeout_s, name, backend, master_addr,
+                elastic_prefix=None):
+    """torch's default group on backend "pyddp" (collective): create_world's group;
+    with elastic_prefix, an in-place elastic job's world of the new membership, under
+    that epoch's key prefix; and in a process whose store holds a running in-place
+    elastic job (it is not part of yet), a world of this process alone that joins it
+    (see _joins_running_job)."""
+    from .elastic import _live, _membership
+    be = None if backend is None else _pick_backend(backend)
+    if elastic_prefix is not None:
+        return _make_group(store, rank, world_size, elastic_prefix, timeout_s, be, master_addr,
+                           True, rdzv_timeout_s=min(timeout_s, 30 + float(
+                               _C.setting("PYDDP_ELASTIC_SETTLE_S"))))
+    if _State.membership is None:
+        rec = _live.live_job(store)
+        if rec is not None and _live.job_alive(store, rec):
+            mem = _membership.joiner(_membership.own_connection(store), rec)
+            log.warning("pyddp: rank %d: an in-place elastic job runs in this store; joining "
+                        "it (admitted at its next commit)", rank)
+            g = _make_group(store, 0, 1, f"{mem.base}/solo/{mem.me}", timeout_s, be,
+                            master_addr, True)
+            mem.torch, mem.timeout_s = True, timeout_s
+            _State.joined, _State.membership = True, mem
+            return g
+    return create_world(store, rank, world_size, timeout_s, name, backend, master_addr)
+
+
 def _agree_round(store, rdzv, base, timeout_s, own_store):
     """(store, prefix): this start's key prefix ``<base>/<round>`` (``_round``). A store
     that rank 0 of this start hosts (plain env://, tcp://, file://, and torchrun with

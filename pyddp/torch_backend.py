@@ -127,6 +127,12 @@ def _pyddp_store(store, rank, timeout_s):
     return _client(host, int(port), timeout_s), host
 
 
+def _elastic_prefix(pg_options):
+    """The key prefix pyddp.elastic passes when it makes torch's default group again
+    for a new membership (``elastic._torchworld``), or None."""
+    return pg_options.get("pyddp_elastic_prefix") if isinstance(pg_options, dict) else None
+
+
 def _options_backend(pg_options):
     """pg_options may pick pyddp's transport: {"backend": "cpu"} keeps CUDA tensors
     off NCCL; None (default) routes CPU tensors to the CPU transport and CUDA tensors
@@ -173,13 +179,17 @@ def create_process_group(opts, pg_options=None):
                 _State.generation += 1
             store, host = _pyddp_store(opts.store, rank, timeout_s)
             try:
-                handle = _world.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
-                                             backend=backend, master_addr=host)
+                if ranks:      # a standalone group under another backend's default group
+                    handle = _world.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
+                                                 backend=backend, master_addr=host)
+                else:          # the default group (pyddp.elastic: joining, or a new world)
+                    handle = _world.torch_world(store, rank, size, timeout_s, f"{gen}.{name}",
+                                                backend, host, _elastic_prefix(pg_options))
             except BaseException:
                 _release(store)
                 raise
-            return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout,
-                                     functools.partial(_close, store))
+            return ProcessGroupPyddp(handle, handle.rank, handle.size, handle.ranks,
+                                     opts.timeout, functools.partial(_close, store))
     except Exception as e:
         raise_as_torch(e)
     return ProcessGroupPyddp(handle, rank, size, handle.ranks, opts.timeout, _close)

@@ -40,8 +40,8 @@ class LocalJob:
     def start(self, name, rank=0, world=1, join=False):
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   **self.env)
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        env.update(self.env)
         if join:
             env["PYDDP_ELASTIC_JOIN"] = f"127.0.0.1:{self.port}"
         args = [self.mode] if self.script == JOB else []
@@ -326,6 +326,32 @@ def test_inplace_paused_rank_is_kept_and_one_paused_too_long_leaves(tmp_path):
         assert time.monotonic() - t0 < 20
         job.wait_line(lambda n, ln: n == "r1" and "left out" in ln, 10, "r1's error")
         job.finish(["r0"])
+    finally:
+        job.close()
+    check_records(job.records)
+
+
+def test_inplace_torch_ddp(tmp_path):
+    """The first seed's script kept as it is (torch.distributed.init_process_group
+    ("pyddp"), torch's DDP and DistributedSampler) with pyddp.elastic's wrapper and
+    state added: rank 2 of 3 killed, the others go on in the same processes at world 2
+    (torch's get_world_size() says so); a process started again with the job's own
+    variables (RANK=1 of 2, torch's store client) finds the job running and joins it
+    (world 3); every epoch covers the data once with identical state."""
+    job = LocalJob(tmp_path, mode="torchddp")
+    try:
+        for r in range(3):
+            job.start(f"r{r}", r, 3)
+        pids = job.wait_for(lambda r: r["world"] == 3 and r["epoch"] >= 1, 90,
+                            "epoch at world 3")["pids"]
+        job.kill("r2")
+        rec = job.wait_for(lambda r: r["world"] == 2, 60, "epoch at world 2")
+        assert rec["pids"] == pids[:2], rec
+        job.env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}    # a node of one rank
+        job.start("j1", 1, 2)
+        rec = job.wait_for(lambda r: r["world"] == 3, 60, "epoch at world 3 after a join")
+        assert rec["pids"][:2] == pids[:2], rec
+        job.finish(["r0", "r1", "j1"])
     finally:
         job.close()
     check_records(job.records)

@@ -99,6 +99,9 @@ class Membership:
         self.leaving = False                      # sent SIGTERM: leaves at a commit
         self.joined_now = False                   # the current epoch admitted joiners
         self._live = None                         # (listening socket, "host:port")
+        self.torch = False                        # the world is torch's default group
+        self.torch_store = None                   # torch's store (a torch default group)
+        self.timeout_s = None                     # the world's timeout
 
     # -- the watcher ------------------------------------------------------------------
 
@@ -376,6 +379,14 @@ class Membership:
         self.rank, self.size = m["ids"].index(self.me), len(m["ids"])
         self.admitted = set(m["admitted"])
         return self.rank, self.size, f"{self.base}/{self.epoch}/pg", m
+
+
+def own_connection(store):
+    """A connection of the membership's own to store's server: torch's default group
+    closes the store client it made when a change destroys it."""
+    from ..store import TCPStore
+    host = "localhost" if store._server is not None else store.host
+    return TCPStore(host, store.port, is_master=False, timeout=store.timeout)
 
 
 class JobFinished(Exception):

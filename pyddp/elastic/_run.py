@@ -16,10 +16,10 @@ import logging
 import signal
 import threading
 
-from .. import _C
-from .._group import _State, _require
+from .. import _C, _errors
+from .._group import _State
 from .._objects import all_gather_object
-from . import _membership, _persist
+from . import _membership, _persist, _torchworld
 from ._state import JoinersWaiting, Leaving, membership_of_job
 
 log = logging.getLogger("pyddp")
@@ -45,6 +45,8 @@ def _is_change(e, m, resetting=False):
         return True
     if resetting and m.joined_now and isinstance(e, _C.DistError):
         return True
+    if m.torch and _errors.last_failure is not None:
+        return True     # torch's DDP hands a failed all-reduce on as a plain RuntimeError
     if isinstance(e, (_C.CollectiveMismatchError, _C.BackendUnavailableError,
                       _C.VersionMismatchError, _C.AuthenticationError, _C.DistValueError,
                       _C.DistTypeError)):
@@ -56,11 +58,16 @@ def _reset(m, state, why):
     """Move this process to the next membership and the state to the newest commit."""
     from .. import _world
     from .._ddp_common import rebind_world
-    rank, size, prefix, _members = m.next_world(_State.timeout_s)
+    m.timeout_s = m.timeout_s or _torchworld.timeout_s()
+    rank, size, prefix, _members = m.next_world(m.timeout_s)
     m.watch(None)
-    g = _world.rebuild_world(rank, size, prefix, why)
+    if m.torch:
+        g = _torchworld.rebuild_torch(m, rank, size, prefix)
+    else:
+        g = _world.rebuild_world(rank, size, prefix, why)
+        rebind_world()
     m.group = g
-    rebind_world()
+    _errors.last_failure = None
     state.restore()
     state.sync()
     m.came_up()
@@ -74,7 +81,7 @@ def _leave(m):
     watcher answers the change as leaving, and once the others have closed it this
     process's part in the job ends."""
     try:
-        m.next_world(_State.timeout_s)
+        m.next_world(m.timeout_s or _torchworld.timeout_s())
     except _membership.LeftOut:
         pass
     m.close()
@@ -85,18 +92,18 @@ def _finish(m):
     """The job is over (collective): rank 0 tells waiting joiners, and checks in at
     torchrun's exit barrier for the agents of lost founder nodes (``_agents``)."""
     from . import _agents
-    g = _require()
+    g = _torchworld.world_group()
     facts = [None] * g.size
     mine = _agents.node_facts() if m.founder else None
     if g.size > 1:
-        all_gather_object(facts, mine)
+        all_gather_object(facts, mine, group=g)
     else:
         facts = [mine]
     if g.rank == 0:
         m.finish()
         founders = [f for f in facts if f is not None]
         if founders:
-            _agents.check_in_for_lost(_State.store, {f[0] for f in founders}, founders[0][1])
+            _agents.check_in_for_lost(g._store, {f[0] for f in founders}, founders[0][1])
 
 
 class _SigTerm:

@@ -11,8 +11,9 @@ import logging
 
 import numpy as np
 
-from .._group import _State, _require
+from .._group import _State
 from .._objects import all_gather_object, broadcast_object_list
+from ._torchworld import torch_mode, world_group
 from . import _rng
 
 log = logging.getLogger("pyddp")
@@ -31,8 +32,11 @@ def membership_of_job():
     """This job's Membership, made on first use (the job's first ranks) or at a join."""
     from . import _membership
     if _State.membership is None:
-        g = _require()
-        m = _membership.start(_State.store, _State.prefix, g.rank, g.size)
+        torch = torch_mode()
+        g = world_group()
+        store = _membership.own_connection(g._store) if torch else g._store
+        m = _membership.start(store, g._prefix, g.rank, g.size)
+        m.torch, m.timeout_s = torch, g._timeout_s
         m.watch(g)
         _State.membership = m
     return _State.membership
@@ -109,14 +113,14 @@ class State:
         if self._disk is not None:
             self._disk.commit(self._commit_no, self._saved)
         m = membership_of_job()
-        g = _require()
+        g = world_group()
         flag = np.zeros(2, np.int64)          # [processes waiting to join, ranks leaving]
         if g.rank == 0:
             flag[0] = m.pending_joiners()
         flag[1] = int(m.leaving)
         if g.size > 1:
             from ..collectives import ReduceOp, all_reduce
-            all_reduce(flag, op=ReduceOp.SUM)
+            all_reduce(flag, op=ReduceOp.SUM, group=g)
         if flag[1] > 0:
             why = f"{int(flag[1])} rank(s) leaving (SIGTERM)"
             if g.rank == 0:
@@ -137,7 +141,7 @@ class State:
     def sync(self):
         """Make every rank's state the one of the rank with the newest commit (lowest
         rank among equals; a joiner has none), then save it (collective)."""
-        g = _require()
+        g = world_group()
         if g.size == 1:
             if _State.joined:
                 _rng.seed_joiner(_State.membership.base, g.rank)
@@ -146,23 +150,23 @@ class State:
             return
         mine = -1 if _State.joined else self._commit_no
         nos = [None] * g.size
-        all_gather_object(nos, mine)
+        all_gather_object(nos, mine, group=g)
         src = nos.index(max(nos))
         objects = [k for k in self._objects if not _is_module(getattr(self, k))]
         box = [(self._commit_no, {k: getattr(self, k) for k in self._names},
                 {k: getattr(self, k).state_dict() for k in objects})
                if g.rank == src else None]
-        broadcast_object_list(box, src=src)
+        broadcast_object_list(box, src=src, group=g)
         for k in self._objects:
             if k not in objects:
-                _send_module(getattr(self, k), src)
+                _send_module(getattr(self, k), src, g)
         if g.rank != src:
             self._commit_no, attrs, dicts = box[0]
             for k, v in attrs.items():
                 setattr(self, k, v)
             for k in objects:
                 getattr(self, k).load_state_dict(dicts[k])
-        self._send(src)
+        self._send(src, g)
         if _State.joined:
             _rng.seed_joiner(_State.membership.base, g.rank)
         _State.joined = False
@@ -174,7 +178,7 @@ class State:
     def _restore(self, saved):
         pass
 
-    def _send(self, src):
+    def _send(self, src, group):
         pass
 
 
@@ -213,13 +217,13 @@ def _load(obj, snap):
         obj.load_state_dict(copy.deepcopy(snap))
 
 
-def _send_module(module, src):
+def _send_module(module, src, group):
     """Broadcast a torch module's parameters and buffers from src, in place."""
     import torch
     from ..collectives import broadcast
     with torch.no_grad():
         for t in module.state_dict().values():
-            broadcast(t, src=src)
+            broadcast(t, src=src, group=group)
 
 
 class NumPyState(State):
@@ -241,7 +245,7 @@ class NumPyState(State):
         for k, a in self._arrays().items():
             a[...] = saved[k]
 
-    def _send(self, src):
+    def _send(self, src, group):
         from ..collectives import broadcast
         for a in self._arrays().values():
-            broadcast(a, src=src)
+            broadcast(a, src=src, group=group)

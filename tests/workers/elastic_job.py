@@ -3,6 +3,7 @@ torchrun on network-namespace hosts.
 
     elastic_job.py restart STEP_S STOP_FILE   # torchrun restarts the workers on a change
     elastic_job.py inplace STEP_S STOP_FILE   # pyddp.elastic: the processes go on
+    elastic_job.py torchddp STEP_S STOP_FILE  # the same with torch's DDP and sampler
 
 A Linear model under pyddp's DDP on 192 samples split by DistributedSampler, batch 8,
 sleeping STEP_S after each step so that a host can be killed mid-epoch. After every
@@ -19,6 +20,10 @@ inplace: the loop runs under pyddp.elastic.run with a TorchState committed after
 epoch (the sampler is made again by a reset callback); each record also lists the
 ranks' process ids, so that a test sees survivors go on in the same processes. A
 process started with PYDDP_ELASTIC_JOIN is admitted into the running job.
+
+torchddp: inplace with the first seed's script: torch.distributed.init_process_group
+("pyddp"), torch's DistributedDataParallel and DistributedSampler; the reset callback
+makes torch's DDP wrapper and the sampler again.
 """
 import hashlib
 import json
@@ -64,8 +69,9 @@ def run_epoch(model, opt, sampler, epoch, x, y, step_s):
     return idx
 
 
-def report(model, opt, epoch, idx, stop_file, extra):
-    """Rank 0's JSON line for the epoch; True when every rank should stop."""
+def report(model, opt, epoch, idx, stop_file, extra, dist=dist):
+    """Rank 0's JSON line for the epoch; True when every rank should stop (dist:
+    pyddp, or torch.distributed for torchddp)."""
     used = [None] * dist.get_world_size()
     dist.all_gather_object(used, idx)
     digests = [None] * dist.get_world_size()
@@ -168,7 +174,49 @@ def inplace_mode(step_s, stop_file):
     dist.destroy_process_group()
 
 
+def torchddp_mode(step_s, stop_file):
+    """In place with torch's own DDP and sampler over backend "pyddp"."""
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    from torch.utils.data.distributed import DistributedSampler as TorchSampler
+    from pyddp import elastic
+    tdist.init_process_group("pyddp")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4)
+    box = {"model": TorchDDP(net)}
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    x, y = data()
+    state = elastic.TorchState(model=net, optimizer=opt, epoch=0)
+
+    def remake():
+        box["model"] = TorchDDP(net)          # the wrapper holds the old group
+        box["sampler"] = TorchSampler(range(N), shuffle=True, seed=1)
+
+    box["sampler"] = TorchSampler(range(N), shuffle=True, seed=1)
+    state.register_reset_callbacks([remake])
+    joined = elastic.joined()
+    pid = os.getpid()
+
+    @elastic.run
+    def train(state):
+        while True:
+            idx = run_epoch(box["model"], opt, box["sampler"], state.epoch, x, y, step_s)
+            pids = [None] * tdist.get_world_size()
+            tdist.all_gather_object(pids, pid)
+            stop = report(box["model"], opt, state.epoch, idx, stop_file, {"pids": pids},
+                          dist=tdist)
+            state.epoch += 1
+            state.commit()
+            if stop:
+                return state.epoch
+
+    last = train(state)
+    print(f"done pid={pid} joined={int(joined)} epoch={last}", flush=True)
+    tdist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, step, stop_path = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-    assert mode in ("restart", "inplace"), mode
-    (restart_mode if mode == "restart" else inplace_mode)(step, stop_path)
+    assert mode in ("restart", "inplace", "torchddp"), mode
+    {"restart": restart_mode, "inplace": inplace_mode,
+     "torchddp": torchddp_mode}[mode](step, stop_path)
