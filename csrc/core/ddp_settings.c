@@ -46,10 +46,12 @@ static const ddp_setting_decl table[] = {
      "the peer's host, or the network to it, is reported down. A peer that is alive but "
      "stopped or slow still answers and is not affected", "CPU transport, store connections"},
     {"PYDDP_ELASTIC_SETTLE_S", DDP_SETTING_SECONDS, "1", 1, 0, NOMAX, 0,
-     "in-place elastic jobs: seconds a membership change waits for the ranks of the old "
-     "world that have not answered yet (a live rank answers within milliseconds, from a "
-     "thread of its own); the ranks that answered go on without the others. The new world "
-     "is closed at once when every old rank answered", "`pyddp.elastic`"},
+     "in-place elastic jobs: seconds a membership change waits for a rank of the old "
+     "world that has not answered and whose liveness is unknown (it published no "
+     "liveness port). A rank whose liveness port still takes connections (paused, not "
+     "dead) is waited for up to `PYDDP_PEER_DEAD_S`; one whose port refuses or does not "
+     "answer is gone at once. The new world is closed at once when every old rank "
+     "answered or is gone", "`pyddp.elastic`"},
     {"PYDDP_ELASTIC_JOIN", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "`host:port` of a running in-place elastic job's store (the `--rdzv-endpoint` or "
      "`--master_addr:--master_port` of its launch line): `init_process_group` then joins "
@@ -68,8 +70,9 @@ static const ddp_setting_decl table[] = {
      "starts: `pyddp` says the job's store is pyddp's own, so the workers authenticate to "
      "it with `PYDDP_AUTH_TOKEN`. Not to be set by hand", "`pyddp.elastic`"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
-     "`lo-hi`: the data port each rank listens on is taken from this range (for firewalled "
-     "VMs whose security group opens only a range). Without it, an ephemeral port", "CPU transport"},
+     "`lo-hi`: the data port each rank listens on is taken from this range (for "
+     "firewalled VMs whose security group opens only a range; a rank of an in-place "
+     "elastic job takes one more, for its liveness port). Without it, an ephemeral port", "CPU transport"},
     {"PYDDP_AUTH_TOKEN", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
      "shared secret, the same on every node: every pyddp connection (data links, pyddp's "
      "store) then starts with a mutual HMAC-SHA256 challenge-response (see "
