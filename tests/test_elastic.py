@@ -43,10 +43,12 @@ class Job:
     host, goes to one queue; the JSON epoch records are kept in order."""
 
     def __init__(self, bridged, mode, tmp, nnodes, env=None, step_s=0.05, static=False,
-                 rdzv=None):
+                 rdzv=None, nproc=2, script=None):
         self.b, self.mode, self.tmp, self.nnodes = bridged, mode, tmp, nnodes
         self.static = static     # the first launch form (--node_rank, --master_addr)
         self.rdzv = rdzv         # "pyddp": docs/elastic.md's line (--rdzv-backend=pyddp)
+        self.nproc = nproc
+        self.script = script     # another worker (its arguments: STEP_S STOP_FILE)
         self.env, self.step_s = env or {}, step_s
         self.port = free_port()
         self.stop_file = str(tmp / "stop")
@@ -71,7 +73,8 @@ class Job:
             env["PYDDP_ELASTIC_JOIN"] = endpoint if self.static else f"{endpoint}/job"
             launch = ["--standalone", "--nproc_per_node=2"]
         elif self.rdzv == "pyddp":
-            launch = [f"--nnodes={self.nnodes}", "--nproc_per_node=2", "--rdzv-backend=pyddp",
+            launch = [f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc}",
+                      "--rdzv-backend=pyddp",
                       f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--max-restarts=100",
                       "--monitor-interval=0.5", f"--local-addr={h.addr}",
                       "--rdzv-conf=last_call_timeout=2"]
@@ -86,8 +89,9 @@ class Job:
                       "--monitor-interval=0.5", f"--local-addr={h.addr}",
                       "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,"
                       f"keep_alive_max_attempt=3,is_host={int(i == 0)}"]
+        worker = [self.script] if self.script else [JOB, self.mode]
         cmd = exec_prefix(h.ns) + [PY, "-m", "torch.distributed.run", *launch,
-                                   JOB, self.mode, str(self.step_s), self.stop_file]
+                                   *worker, str(self.step_s), self.stop_file]
         p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.procs[i] = p
@@ -120,7 +124,8 @@ class Job:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue
-            if argv[1:2] != [b"-m"] and any(a.endswith(b"elastic_job.py") for a in argv):
+            if argv[1:2] != [b"-m"] and any(a.endswith((b"elastic_job.py", b"elastic_state.py"))
+                                            for a in argv):
                 os.kill(int(pid), 9)
                 return
         raise AssertionError(f"no worker of host {i} found")
@@ -347,3 +352,80 @@ def test_inplace_one_line_store_with_the_endpoint(tmp_path):
             _one_line(b, tmp_path)
     except NetnsUnavailable as e:
         pytest.skip(str(e))
+
+
+def _worker_pid(job, i):
+    """The process id of host i's (only) worker."""
+    r = subprocess.run(["ip", "netns", "pids", job.b.hosts[i].ns], capture_output=True,
+                       text=True, timeout=20)
+    for pid in r.stdout.split():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:2] != [b"-m"] and any(a.endswith(b"elastic_state.py") for a in argv):
+            return int(pid)
+    raise AssertionError(f"no worker on host {i}")
+
+
+def _paused_and_stateful(b, tmp):
+    """Three single-rank nodes on docs/elastic.md's line running
+    tests/workers/elastic_state.py (a LambdaLR with a lambda, an ElasticSampler and
+    per-rank random streams in the state, commits every 2 steps): host 1's worker is
+    stopped for 3 s (SIGSTOP: a long GC) while host 2 is killed; host 1 stays in the job
+    (the same process), host 2 comes back with the same line; every epoch applies each
+    sample once and the ranks agree on everything but their random draws."""
+    from test_elastic_inplace import check_state_records
+    job = Job(b, "inplace", tmp, "1:3", rdzv="pyddp", nproc=1, step_s=0.03,
+              script=os.path.join(WORKERS, "elastic_state.py"))
+    try:
+        for i in range(3):
+            job.start(i)
+        rec = job.wait_for(lambda r: r["world"] == 3 and r["epoch"] >= 1, 150,
+                           "epoch at world 3")
+        survivors = {_worker_pid(job, 0), _worker_pid(job, 1)}
+        assert survivors < {r["pid"] for r in rec["ranks"]}, rec
+        stopped = _worker_pid(job, 1)
+        os.kill(stopped, 19)                    # SIGSTOP
+        job.kill(2)
+        time.sleep(3)
+        os.kill(stopped, 18)                    # SIGCONT
+        rec = job.wait_for(lambda r: r["world"] == 2, 60, "epoch at world 2")
+        assert {r["pid"] for r in rec["ranks"]} == survivors, rec
+        job.start(2)
+        job.wait_for(lambda r: r["world"] == 3, 90, "epoch at world 3 after host 2 returned")
+        job.finish([0, 1, 2])
+    finally:
+        job.close()
+    check_state_records(job.records)
+
+
+def test_inplace_paused_rank_kept_state_and_samples(tmp_path):
+    _run(_paused_and_stateful, 3, tmp_path)
+
+
+def _torch_ddp_one_line(b, tmp):
+    """The first seed's script with torch's own DDP and sampler (tests/workers/
+    elastic_job.py torchddp) on docs/elastic.md's line: host 1 killed, the others go
+    on in the same processes; host 1 runs its line again and is admitted in place."""
+    job = Job(b, "torchddp", tmp, "1:2", rdzv="pyddp")
+    try:
+        job.start(0)
+        job.start(1)
+        pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 150,
+                            "epoch at world 4")["pids"]
+        job.kill(1)
+        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
+                                     "epoch at world 2 after host 1 was killed"), pids[:2])
+        job.start(1)
+        rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 returned")
+        assert rec["pids"][:2] == pids[:2], rec
+        job.finish([0, 1])
+    finally:
+        job.close()
+    job.check_epochs()
+
+
+def test_inplace_torch_ddp_one_line(tmp_path):
+    _run(_torch_ddp_one_line, 2, tmp_path)

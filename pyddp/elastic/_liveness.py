@@ -28,7 +28,12 @@ def liveness_listener():
     an ephemeral port; advertised at the address this rank's data links use. None when
     no port can be had (the rank is then waited for PYDDP_ELASTIC_SETTLE_S)."""
     from .._group import _State
-    host = _env.advertise_address(_State.master_addr)
+    from ._torchworld import world_group
+    try:
+        host = world_group()._advertise     # the address this rank's data links use
+    except _C.DistError:
+        host = None
+    host = host or _env.advertise_address(_State.master_addr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     lo, hi = _env.port_range()
     for port in (range(lo, hi + 1) if lo else [0]):
