@@ -145,6 +145,12 @@ class Staged:
             copy_into(self.orig, self.array)
 
 
+def on_gpu(x):
+    """Whether x lives in GPU memory (a CUDA torch tensor or a CuPy array)."""
+    lib = _lib(x)
+    return lib == "cupy" or (lib == "torch" and x.is_cuda)
+
+
 def empty_flat(like, n, dtype=None):
     """A new 1-D array of n elements with like's library and device, and like's dtype
     or dtype (one of that library's dtypes, see dtype_in)."""

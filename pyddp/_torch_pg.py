@@ -402,7 +402,11 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                           for o, i in zip(output_lists, inputs)], _flat(output_lists))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+        # torch's all_gather_coalesced: output_lists[r][i] is rank r's inputs[i]
+        kw = self._kw()
+        return self._run([lambda: C.all_gather_coalesced([list(o) for o in output_lists],
+                                                         list(inputs), **kw)],
+                         _flat(output_lists))
 
     def all_gather_single(self, output, input, opts=None):
         kw = self._kw()
@@ -461,8 +465,19 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                           for t in tensors], list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        raise _C.DistValueError("the pyddp backend cannot receive from any source: pass "
-                                   "src= to recv/irecv")
+        """torch's recv/irecv without src: the Work's _source_rank() is the sender's group
+        rank (torch's recv turns it into the global rank it returns)."""
+        if len(tensors) != 1:
+            raise _C.DistValueError(f"recv from any source takes one tensor, not "
+                                    f"{len(tensors)}")
+        started = []
+
+        def call():
+            started.append(C.irecv(tensors[0], None, group=self._handle, tag=tag))
+            return started[0]
+        work = self._run([call], list(tensors))
+        work._source = lambda: self._handle.group_rank(started[0].source_rank(), "src")
+        return work
 
     def barrier(self, opts=None):
         if self._ran_in_c(_BARRIER, None, opts):
