@@ -146,9 +146,12 @@ class Staged:
 
 
 def on_gpu(x):
-    """Whether x lives in GPU memory (a CUDA torch tensor or a CuPy array)."""
-    lib = _lib(x)
-    return lib == "cupy" or (lib == "torch" and x.is_cuda)
+    """Whether x lives in GPU memory: it offers ``__cuda_array_interface__`` (CUDA torch
+    tensors, CuPy, Numba) or says so through DLPack (device CUDA or CUDA managed)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    return dev is not None and dev()[0] in (2, 13)     # kDLCUDA, kDLCUDAManaged
 
 
 def empty_flat(like, n, dtype=None):
