@@ -1,6 +1,6 @@
 """torch's own distributed test suite as the judge of the "pyddp" backend, the part that
 fits in CI: benchmarks/torch_suite.py runs the suite's collective and point-to-point
-tests (``--select collectives``, about 180 of its 285) at world size 2 against gloo and
+tests (``--select collectives``, 159 of its 285) at world size 2 against gloo and
 against pyddp, and must find no test that passes on gloo and not on pyddp (the ones the
 suite runs for gloo only are run again with pyddp standing in for gloo). The whole suite
 at world sizes 2 and 3 is the script's default run (``python benchmarks/torch_suite.py``,
