@@ -6,7 +6,7 @@ torch's ``test/distributed/test_distributed_spawn.py`` drives
 ``WORLD_SIZE`` and ``TEMP_DIR`` from the environment, defines
 ``TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase)`` whose
 ``setUp`` spawns one process per rank, and runs it with unittest. This module does the
-same, with two changes:
+same, with these changes:
 
 * before the suite is imported (its decorators read the table at import), it adds
   ``BACKEND`` to every set of the suite's feature table (``DistTestCases.backend_feature``)
@@ -24,8 +24,10 @@ same, with two changes:
   file given by ``--out`` as each test ends, so that a run cut short by its time limit
   still leaves the results of the tests it finished.
 
-The spawned rank processes import this module again (multiprocessing's spawn pickles
-the test class by name), so the feature table is extended in them too.
+Spawned rank processes import this module again (multiprocessing's spawn pickles the
+test class by name), so the feature table is extended in them too; forked ones inherit
+it. The suite's per-test limit (DISTRIBUTED_TESTS_DEFAULT_TIMEOUT, which the driver
+sets) bounds every test, the few it gives more time included.
 
 Usage: BACKEND=b WORLD_SIZE=n TEMP_DIR=d python torch_suite_run.py --out FILE NAME...
        BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=d python torch_suite_run.py --list
