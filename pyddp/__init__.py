@@ -20,8 +20,8 @@ from ._group import (WORLD, Group, dump_flight_record, get_backend, get_global_r
                      get_process_group_ranks, get_rank, get_world_size, group, is_available,
                      is_initialized, new_group)
 from ._world import destroy_process_group, init_process_group
-from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_into_tensor,
-                          all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single,
+from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_coalesced,
+                          all_gather_into_tensor, all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single,
                           barrier, batch_isend_irecv, broadcast, gather, irecv, isend,
                           monitored_barrier, recv, reduce, reduce_scatter,
                           reduce_scatter_tensor, scatter, send)

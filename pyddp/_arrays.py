@@ -145,6 +145,15 @@ class Staged:
             copy_into(self.orig, self.array)
 
 
+def on_gpu(x):
+    """Whether x lives in GPU memory: it offers ``__cuda_array_interface__`` (CUDA torch
+    tensors, CuPy, Numba) or says so through DLPack (device CUDA or CUDA managed)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    return dev is not None and dev()[0] in (2, 13)     # kDLCUDA, kDLCUDAManaged
+
+
 def empty_flat(like, n, dtype=None):
     """A new 1-D array of n elements with like's library and device, and like's dtype
     or dtype (one of that library's dtypes, see dtype_in)."""

@@ -43,54 +43,18 @@ from . import _C
 from . import _arrays as A
 from . import collectives as C
 from ._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
+from ._torch_ops import SUM as _SUM, flat as _flat, reduce_op as _reduce_op, \
+    scaled as _scaled, thin_ops as _thin_ops, all_reduce_sparse
 from ._torch_work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
     future_for
 
 _PG = _C.ProcessGroup
 _torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 
-_RedOpType = dist.ReduceOp.RedOpType
-_SUM = _RedOpType.SUM       # opts.reduceOp == _SUM is the cheap test (ReduceOp.__eq__)
-_OPS = {_RedOpType.SUM: C.ReduceOp.SUM, _RedOpType.AVG: C.ReduceOp.AVG,
-        _RedOpType.MIN: C.ReduceOp.MIN, _RedOpType.MAX: C.ReduceOp.MAX,
-        _RedOpType.PRODUCT: C.ReduceOp.PRODUCT}
-
-
-def _thin_ops():
-    """{hash(ReduceOp): pyddp op code} for the ops ProcessGroup.torch_run reduces in C,
-    or None (the C path then leaves reductions to Python) unless this torch's
-    ReduceOp hash is proven to name the op: distinct, small, and none of the other
-    ops' (bitwise, PREMUL_SUM) hashes."""
-    try:
-        ops = {hash(dist.ReduceOp(k)): int(v) for k, v in _OPS.items()}
-        others = {hash(dist.ReduceOp(k)) for k in
-                  (_RedOpType.BAND, _RedOpType.BOR, _RedOpType.BXOR)}
-        others.add(hash(dist._make_nccl_premul_sum(2.0)))
-    except Exception:  # noqa: BLE001 - another torch: no C reductions
-        return None
-    if len(ops) != len(_OPS) or others & set(ops) or not all(0 <= h < 16 for h in ops):
-        return None
-    return ops
-
-
 # ProcessGroup.torch_run: torch's blocking call on one CPU tensor read and run in C
 _C.torch_thin_config(*A.torch_hook_config(torch), _thin_ops())
 _ALLREDUCE, _BROADCAST, _REDUCE, _BARRIER = (_C.COLL_ALLREDUCE, _C.COLL_BROADCAST,
                                              _C.COLL_REDUCE, _C.COLL_BARRIER)
-
-
-def _reduce_op(op):
-    """(pyddp ReduceOp, PREMUL_SUM factor or None) for torch's ReduceOp (or RedOpType).
-    Raises ValueError for ops pyddp cannot run (the bitwise ones), before any call."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
-    if kind == _RedOpType.PREMUL_SUM:
-        return C.ReduceOp.SUM, op.factor
-    if kind in _OPS:
-        return _OPS[kind], None
-    raise _C.DistValueError(
-        f"the pyddp backend does not support ReduceOp.{getattr(kind, 'name', kind)}; it "
-        f"supports SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM. For bool tensors use MAX "
-        f"for logical or and MIN for logical and.")
 
 
 def _raise_explained_as_torch(g, e):
@@ -100,16 +64,6 @@ def _raise_explained_as_torch(g, e):
         raise_explained(g, e)
     except Exception as x:
         raise_as_torch(x)
-
-
-def _scaled(t, factor):
-    """A new tensor t * factor (PREMUL_SUM's input), leaving t unchanged."""
-    with torch.no_grad():
-        return t.detach() * factor
-
-
-def _flat(lists):
-    return [t for lst in lists for t in lst]
 
 
 class _BackendInfo:
@@ -300,6 +254,13 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         if self._ran_in_c(_ALLREDUCE, tensors, opts):
             return None
         rop = opts.reduceOp if opts is not None else _SUM
+        if any(t.is_sparse for t in tensors):     # gloo's sparse all_reduce, blocking
+            for t in tensors:
+                try:
+                    all_reduce_sparse(t, _reduce_op(rop)[0], self._handle)
+                except Exception as e:
+                    raise_as_torch(e)
+            return self._run([], list(tensors))
         if rop == _SUM:
             op, factor = C.ReduceOp.SUM, None
         else:
@@ -317,7 +278,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                          list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _SUM)
         if factor is not None:
             with torch.no_grad():
                 for t in tensors:
@@ -354,7 +315,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                          list(tensors), post)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _SUM)
         if factor is not None:
             input_lists = [[_scaled(t, factor) for t in lst] for lst in input_lists]
         kw = self._kw()
@@ -362,7 +323,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                           for o, lst in zip(outputs, input_lists)], list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _SUM)
         if factor is not None:
             input = _scaled(input, factor)
         kw = self._kw()
@@ -372,7 +333,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op, factor = _reduce_op(opts.reduceOp if opts is not None else _RedOpType.SUM)
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else _SUM)
         if factor is not None:
             inputs = [_scaled(t, factor) for t in inputs]
         kw = self._kw()
@@ -402,7 +363,11 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                           for o, i in zip(output_lists, inputs)], _flat(output_lists))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+        # torch's all_gather_coalesced: output_lists[r][i] is rank r's inputs[i]
+        kw = self._kw()
+        return self._run([lambda: C.all_gather_coalesced([list(o) for o in output_lists],
+                                                         list(inputs), **kw)],
+                         _flat(output_lists))
 
     def all_gather_single(self, output, input, opts=None):
         kw = self._kw()
@@ -461,8 +426,19 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                           for t in tensors], list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        raise _C.DistValueError("the pyddp backend cannot receive from any source: pass "
-                                   "src= to recv/irecv")
+        """torch's recv/irecv without src: the Work's _source_rank() is the sender's group
+        rank (torch's recv turns it into the global rank it returns)."""
+        if len(tensors) != 1:
+            raise _C.DistValueError(f"recv from any source takes one tensor, not "
+                                    f"{len(tensors)}")
+        started = []
+
+        def call():
+            started.append(C.irecv(tensors[0], None, group=self._handle, tag=tag))
+            return started[0]
+        work = self._run([call], list(tensors))
+        work._source = lambda: self._handle.group_rank(started[0].source_rank(), "src")
+        return work
 
     def barrier(self, opts=None):
         if self._ran_in_c(_BARRIER, None, opts):
@@ -476,8 +452,9 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         """torch's monitored_barrier: every rank reports to the group's first rank, which
         names the ranks that did not arrive within timeout (the group's by default)."""
         try:
-            C.monitored_barrier(group=self._handle, timeout=timeout or self._timeout,
-                                    wait_all_ranks=wait_all_ranks)
+            C.monitored_barrier(group=self._handle,
+                                timeout=self._timeout if timeout is None else timeout,
+                                wait_all_ranks=wait_all_ranks)
         except Exception as e:
             raise_as_torch(e)
 

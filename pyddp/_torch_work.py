@@ -301,10 +301,23 @@ class PyddpWork(dist.Work):
     by Ctrl-C, completes the future itself, and then raises the collective's error as
     torch's exception. ``get_future()`` gives the future (value: the output tensors)."""
 
+    _source = None      # receive from any source: () -> the sender's group rank
+
     def __init__(self, fut, completion=None):
         super().__init__()
         self._fut = fut
         self._comp = completion
+
+    def _source_rank(self):
+        """For a receive from any source (``recv_anysource``): the sender's group rank,
+        after waiting for the receive (torch's recv reads it so)."""
+        if self._source is None:
+            raise ValueError("_source_rank() is only for the Work of a receive from any "
+                             "source")
+        self.wait()
+        return self._source()
+
+    source_rank = _source_rank
 
     def wait(self, timeout=None):
         # torch's C++ callers pass kNoTimeout, zero milliseconds, meaning "no timeout"

@@ -9,6 +9,7 @@ collective's error is raised by ``wait()`` with the straggler report
 """
 import threading
 
+from ._C import DistValueError
 from ._env import seconds
 from ._errors import COLLECTIVE_FAILURES, raise_explained
 
@@ -23,12 +24,25 @@ class Work:
     arrays it writes must stay alive until then).
     """
 
-    def __init__(self, work, post=None, group=None):
+    _source = None      # a receive's source: a group rank, or () -> it (from any source)
+
+    def __init__(self, work, post=None, group=None, source=None):
         self._work = work
         self._post = post
         self._done = False
         self._lock = None if post is None else threading.Lock()
         self._group = group
+        self._source = source
+
+    def source_rank(self):
+        """For the Work of an irecv: the global rank its data came from (for a receive
+        from any source, ``src=None``, the rank that sent it). Waits for the receive,
+        raising its error if it failed."""
+        if self._source is None:
+            raise DistValueError("source_rank() is only for the Work of an irecv")
+        self.wait()
+        src = self._source() if callable(self._source) else self._source
+        return self._group.ranks[src]
 
     def _copy_out(self):
         """Run the copy-out once, whichever thread gets here first; a second thread

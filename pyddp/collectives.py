@@ -14,6 +14,8 @@ and gets a :class:`Work` (``_work``). monitored_barrier is ``_monitored_barrier`
 import enum
 import functools
 
+import numpy as np
+
 from . import _C, _lean
 from . import _arrays as A
 from ._group import _resolve, timeout_ms
@@ -52,13 +54,15 @@ def _rank_arg(g, r, name):
     return g.group_rank(r, name)
 
 
-def _run(g, kind, a=None, b=None, op=0, root=0, async_op=False, post=None, what=None):
+def _run(g, kind, a=None, b=None, op=0, root=0, async_op=False, post=None, what=None,
+         source=None):
     """Submit one collective of kind on group g's process group (a, b: its buffers as
-    the core takes them; root a group rank; post the copy-out after it), and return
-    its Work (async_op) or wait for it and return None."""
+    the core takes them; root a group rank; post the copy-out after it; source a
+    receive's, see Work), and return its Work (async_op) or wait for it and return
+    None."""
     pg = g.pg(what or "a collective")
     stream = caller_stream(a if a is not None else b)
-    w = Work(pg.submit(kind, a, b, op, root, timeout_ms(g), stream), post, g)
+    w = Work(pg.submit(kind, a, b, op, root, timeout_ms(g), stream), post, g, source)
     if async_op:
         return w
     w.wait()
@@ -127,6 +131,42 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                 lambda: A.unpack_into(tensor_list, flat), "all_gather")
 
 
+def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None,
+                         async_op=False):
+    """output_tensor_lists[r][i] = rank r's input_tensor_list[i], for every rank r and
+    input i (torch's semantics). The inputs (one dtype; any sizes, the same on every
+    rank) travel packed in one all_gather."""
+    g = _resolve(group)
+    ws = g.size
+    g.pg("all_gather_coalesced")
+    inputs = input_tensor_list
+    if not isinstance(inputs, (list, tuple)) or not inputs:
+        raise _C.DistValueError("all_gather_coalesced needs a non-empty input_tensor_list")
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != ws:
+        raise _C.DistValueError(f"all_gather_coalesced: output_tensor_lists must have one "
+                                f"list per rank ({ws})")
+    dt = getattr(inputs[0], "dtype", None)
+    for r, outs in enumerate(output_tensor_lists):
+        if not isinstance(outs, (list, tuple)) or len(outs) != len(inputs):
+            raise _C.DistValueError(f"all_gather_coalesced: output_tensor_lists[{r}] must "
+                                    f"have one tensor per input ({len(inputs)})")
+        for i, (o, t) in enumerate(zip(outs, inputs)):
+            if A.numel(o) != A.numel(t) or getattr(o, "dtype", None) != dt or \
+                    getattr(t, "dtype", None) != dt:
+                raise _C.DistValueError(f"all_gather_coalesced: output_tensor_lists[{r}][{i}] "
+                                        f"must have input {i}'s element count and the "
+                                        f"inputs' one dtype {dt}")
+    flat_in = A.pack_ragged(list(inputs))
+    n = A.numel(flat_in)
+    flat_out = A.empty_flat(flat_in, ws * n)
+
+    def post():
+        for r, outs in enumerate(output_tensor_lists):
+            A.unpack_ragged(list(outs), flat_out[r * n:(r + 1) * n])
+    return _run(g, _C.COLL_ALLGATHER, flat_in, flat_out, 0, 0, async_op, post,
+                "all_gather_coalesced")
+
+
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """output = rank's block of the reduction of every rank's input (input has
     world_size times output's elements)."""
@@ -192,9 +232,9 @@ def send(tensor, dst, group=None, tag=0):
 
 
 def recv(tensor, src=None, group=None, tag=0):
-    """Receive into tensor from rank src. Returns src."""
-    irecv(tensor, src, group, tag).wait()
-    return src
+    """Receive into tensor from rank src, or (src=None) from whichever rank sends to
+    this one first. Returns the sender's global rank."""
+    return irecv(tensor, src, group, tag).source_rank()
 
 
 def isend(tensor, dst, group=None, tag=0):
@@ -206,13 +246,23 @@ def isend(tensor, dst, group=None, tag=0):
 
 
 def irecv(tensor, src=None, group=None, tag=0):
+    """Receive into tensor from rank src, or (src=None, host memory only) from the first
+    rank whose next call sends to this one; the Work's source_rank() names the sender.
+    A peer whose next call is something else is passed over (its call runs later), and
+    when no peer can send the receive fails with a mismatch naming their calls."""
     g = _resolve(group)
     g.pg("irecv")
     if src is None:
-        raise _C.DistValueError("recv from any source is not supported by pyddp; pass src=")
+        if A.on_gpu(tensor):
+            raise _C.DistValueError("recv from any source needs a CPU tensor: NCCL can only "
+                                    "receive from a named peer; pass src=")
+        who = np.full(1, -1, dtype=np.int32)    # the core writes the sender's group rank
+        s = A.Staged(tensor)
+        return _run(g, _C.COLL_RECV, s.array, who, 0, _C.ANY_SOURCE, True, _finisher(s),
+                    "irecv", lambda: int(who[0]))
     src = _rank_arg(g, src, "src")
     s = A.Staged(tensor)
-    return _run(g, _C.COLL_RECV, s.array, None, 0, src, True, _finisher(s), "irecv")
+    return _run(g, _C.COLL_RECV, s.array, None, 0, src, True, _finisher(s), "irecv", src)
 
 
 def barrier(group=None, async_op=False, device_ids=None):

@@ -356,7 +356,7 @@ def test_grouped_collectives_public_api(fakes):
     """all_to_all_single and batch_isend_irecv on GPU arrays at world size 1: results
     against NumPy (one rank: its own block comes back), the own block as a device copy
     between the producer-stream event and the completion event, and validation errors
-    that enqueue nothing."""
+    that enqueue nothing (a receive from any source among them)."""
     r = scenario("grouped_public", fakes)
     for dt in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"):
         assert r[f"single_{dt}"], dt
@@ -371,6 +371,8 @@ def test_grouped_collectives_public_api(fakes):
     assert r["batch_self_send"] == ["DistValueError", "rank 0: batch_isend_irecv: op 0: rank 0 "
                                     "cannot send to itself"]
     assert r["batch_self_recv"][1].endswith("rank 0 cannot receive from itself")
+    assert r["recv_any"][0] == "DistValueError" and \
+        "NCCL can only receive from a named peer" in r["recv_any"][1]
     assert r["batch_peer_range"][0] == "DistValueError"
     assert r["enqueued_by_errors"] == 0 and r["after_errors"] == [0, 1, 2, 3]
     log = r["log"]

@@ -2,7 +2,8 @@
  * between the latency path (one message per peer) and the bandwidth path
  * (header exchange, then ring / chain / direct algorithms, or the
  * hierarchical ones across hosts), and the group's scratch memory. The algorithms live in ddp_coll_small.c, ddp_coll_ring.c
- * and ddp_coll_root.c; the header exchange in ddp_coll_xchg.c.
+ * and ddp_coll_root.c; the header exchange in ddp_coll_xchg.c; a receive from
+ * any source is found in ddp_coll_anysrc.c.
  */
 #include "ddp_coll_internal.h"
 
@@ -105,7 +106,11 @@ ddp_status ddp_coll_validate(const ddp_group *g, const ddp_coll_args *a) {
     if (a->kind != DDP_COLL_ALLREDUCE && a->kind != DDP_COLL_ALLGATHER &&
         a->kind != DDP_COLL_REDUCE_SCATTER) {
         const char *what = is_p2p(a->kind) ? "peer" : "root";
-        if (a->root < 0 || a->root >= n)
+        if (a->kind == DDP_COLL_RECV && a->root == DDP_ANY_SOURCE) {
+            if (n < 2)
+                return ddp_error(DDP_ERR_INVALID, "a receive from any rank needs another rank, "
+                                 "but the group has only rank %d", g->rank);
+        } else if (a->root < 0 || a->root >= n)
             return ddp_error(DDP_ERR_INVALID, "%s %d is out of range for a group of %d ranks "
                              "(valid: 0..%d)", what, a->root, n, n - 1);
         if (is_p2p(a->kind) && a->root == g->rank)
@@ -180,10 +185,30 @@ static ddp_status run_large(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     return ddp_error(DDP_ERR_INTERNAL, "no algorithm for collective kind %d", (int)a->kind);
 }
 
+/* A RECV from DDP_ANY_SOURCE: find the sender (ddp_coll_anysrc.c), then
+ * the ordinary receive from it, which prefixes its own errors. */
+static ddp_status run_recv_any(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
+    int src = -1;
+    ddp_status st = ddp_coll_recv_find(g, a, w, &src);
+    if (st != DDP_OK) {
+        char what[160];
+        const ddp_coll_hdr h = ddp_coll_hdr_make(g, a, DDP_COLL_PATH_SMALL);
+        ddp_coll_describe(&h, what, sizeof what);
+        return ddp_error_prefix(st, "%s on rank %d of %d: ", what, g->rank, g->size);
+    }
+    ddp_coll_args from = *a;
+    from.root = src;
+    from.source = NULL;
+    st = ddp_coll_run(g, &from, w);
+    if (st == DDP_OK && a->source) *a->source = src;
+    return st;
+}
+
 ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     /* per-peer sizes: their own header exchange and error prefix */
     if (a->kind == DDP_COLL_ALLTOALL) return ddp_coll_a2a_run(g, a, w);
     if (a->kind == DDP_COLL_P2P_BATCH) return ddp_coll_batch_run(g, a, w);
+    if (a->kind == DDP_COLL_RECV && a->root == DDP_ANY_SOURCE) return run_recv_any(g, a, w);
     const int small = a->kind == DDP_COLL_BARRIER || ddp_coll_call_bytes(g, a) <= g->small_bytes;
     const int path = small ? DDP_COLL_PATH_SMALL
                            : ddp_coll_hier_applies(g, a) ? DDP_COLL_PATH_HIER : DDP_COLL_PATH_LARGE;

@@ -21,7 +21,9 @@
  *   REDUCE_SCATTER  sendbuf: size*count; recvbuf: count (this rank's block)
  *   GATHER          sendbuf: count; recvbuf: size*count at root (else unused)
  *   SCATTER         sendbuf: size*count at root (else unused); recvbuf: count
- *   SEND / RECV     buf: count, to / from root (the peer rank)
+ *   SEND / RECV     buf: count, to / from root (the peer rank); a RECV with
+ *                   root DDP_ANY_SOURCE takes the first send to this rank
+ *                   from any peer (its rank written to *source)
  *   BARRIER         no data
  *   ALLTOALL        sendbuf: block q (scounts[q] elements at sdispls[q]) goes
  *                   to rank q; recvbuf: rank p's block lands at rdispls[p]
@@ -63,11 +65,17 @@ typedef struct ddp_p2p_op {
     void *buf;          /* read for sends, written for receives */
 } ddp_p2p_op;
 
+/* RECV's root for "from any peer" (torch's recv without src). */
+#define DDP_ANY_SOURCE (-1)
+
 typedef struct ddp_coll_args {
     ddp_coll_kind kind;
     ddp_dtype dtype;
     ddp_redop op;       /* reductions only */
-    int root;           /* root, or peer for SEND/RECV */
+    int root;           /* root, or peer for SEND/RECV (RECV: or DDP_ANY_SOURCE) */
+    /* RECV from DDP_ANY_SOURCE: where the sender's group rank is written once
+     * the receive succeeded; NULL: not wanted. Borrowed until the work is done. */
+    int *source;
     size_t count;       /* elements, see conventions above */
     void *buf;          /* in-place ops: ALLREDUCE, BROADCAST, REDUCE, SEND, RECV */
     const void *sendbuf;

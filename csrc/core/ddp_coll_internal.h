@@ -8,6 +8,7 @@
  * ddp_coll_ring.c (ring reduce-scatter / all-gather), ddp_coll_root.c
  * (broadcast, reduce, gather, scatter, send/recv on the bandwidth path),
  * ddp_coll_a2a.c (all_to_all), ddp_coll_batch.c (batched send/recv),
+ * ddp_coll_anysrc.c (receive from any source),
  * ddp_coll_hier.c (hierarchical all-reduce, reduce-scatter, all-gather
  * across hosts) with ddp_coll_hier_pipe.c (its pipelined all-reduce),
  * ddp_coll_layout.c (which ranks share a host).
@@ -105,6 +106,7 @@ ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int p
  * carries another group tag than `mine` (this rank's own header), else with
  * DDP_ERR_PROTOCOL unless `in` is a header sent by rank p. */
 void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out);
+void ddp_coll_hdr_decode(const unsigned char *in, ddp_coll_hdr *h);
 ddp_status ddp_coll_hdr_parse(const unsigned char *in, int p, const ddp_coll_hdr *mine,
                               ddp_coll_hdr *h);
 /* "all_reduce(count=10, float32, sum)" for a header, into buf. */
@@ -135,6 +137,16 @@ size_t ddp_coll_chunk_elems(const ddp_group *g, size_t esize);
 
 /* Round n up to a multiple of 64 (scratch regions start cache-aligned). */
 static inline size_t ddp_coll_align(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* For a RECV from DDP_ANY_SOURCE (ddp_coll_anysrc.c): wait for the first
+ * peer whose next message on its link is a send to this rank on this group,
+ * and set *src to it. Nothing is consumed: every byte read from a link is
+ * handed back to it (ddp_link_unread), so the ordinary receive from *src
+ * (and later calls with the other peers) read the stream as if the search
+ * had not happened. DDP_ERR_MISMATCH when no peer can send to this rank any
+ * more (each one's next message is another call), naming their calls;
+ * TIMEOUT, ABORTED or a link's failure otherwise. Errors carry no prefix. */
+ddp_status ddp_coll_recv_find(ddp_group *g, const ddp_coll_args *a, ddp_wait w, int *src);
 
 /* Latency path: the whole collective in one exchange. */
 ddp_status ddp_coll_small(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,

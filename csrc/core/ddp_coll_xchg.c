@@ -61,6 +61,7 @@ static void hdr_decode(const unsigned char *in, ddp_coll_hdr *h) {
 }
 
 void ddp_coll_hdr_encode(const ddp_coll_hdr *h, unsigned char *out) { hdr_encode(h, out); }
+void ddp_coll_hdr_decode(const unsigned char *in, ddp_coll_hdr *h) { hdr_decode(in, h); }
 
 ddp_coll_hdr ddp_coll_hdr_make(const ddp_group *g, const ddp_coll_args *a, int path) {
     ddp_coll_hdr h = {.magic = DDP_COLL_MAGIC, .kind = (uint8_t)a->kind, .path = (uint8_t)path,
@@ -95,7 +96,10 @@ void ddp_coll_describe(const ddp_coll_hdr *h, char *buf, size_t len) {
         snprintf(buf, len, "send(count=%llu, %s, to rank %d)", n, dt, (int)h->root);
         break;
     case DDP_COLL_RECV:
-        snprintf(buf, len, "recv(count=%llu, %s, from rank %d)", n, dt, (int)h->root);
+        if (h->root == DDP_ANY_SOURCE)
+            snprintf(buf, len, "recv(count=%llu, %s, from any rank)", n, dt);
+        else
+            snprintf(buf, len, "recv(count=%llu, %s, from rank %d)", n, dt, (int)h->root);
         break;
     case DDP_COLL_ALLTOALL: snprintf(buf, len, "all_to_all(%s)", dt); break;
     case DDP_COLL_P2P_BATCH: /* count: sends << 32 | receives, with rank `root` */

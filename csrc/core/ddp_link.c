@@ -60,11 +60,26 @@ static const char *direction(const ddp_xfer *t) {
     return t->send ? "sending to" : "receiving from";
 }
 
+/* A receive takes the bytes its link holds back (ddp_link_unread) first. */
+static void take_held(ddp_link *l, ddp_xfer *t) {
+    size_t k = t->len - t->done;
+    if (k > l->held_len) k = l->held_len;
+    memcpy((unsigned char *)t->dst + t->done, l->held, k);
+    memmove(l->held, l->held + k, l->held_len - k);
+    l->held_len -= k;
+    t->done += k;
+}
+
 /* One non-blocking attempt on t. Sets *moved if bytes moved. On failure the
  * message is prefixed with the direction, the peer and the progress. */
 static ddp_status xfer_try(ddp_xfer *t, int *moved) {
     ddp_link *l = t->link;
     size_t before = t->done;
+    if (!t->send && l->held_len > 0) {
+        take_held(l, t);
+        *moved = 1;
+        if (t->done >= t->len) return DDP_OK;
+    }
     ddp_status st = t->send ? l->ops->send_some(l, t->src, t->len, &t->done)
                             : l->ops->recv_some(l, t->dst, t->len, &t->done);
     if (t->done != before) *moved = 1;
@@ -172,28 +187,54 @@ static ddp_status xfer_stuck(ddp_status st, const ddp_xfer *t, int64_t start) {
                      peer);
 }
 
-ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
+/* The transfer that decides whether the drive is over, for its messages:
+ * NULL when it is over (all: every transfer reached its want; any: one did,
+ * *which = its index), else the first one still waited for. Any mode skips
+ * dropped (parked) transfers; *alive counts the others. */
+static const ddp_xfer *xfer_unmet(const ddp_xfer *x, int n, int any, int *which, int *alive) {
+    const ddp_xfer *unmet = NULL;
+    *alive = 0;
+    for (int i = 0; i < n; i++) {
+        if (any && x[i].parked) continue;
+        ++*alive;
+        if (x[i].done >= x[i].want) {
+            if (any) return (*which = i), NULL;
+        } else if (!unmet) {
+            unmet = &x[i];
+        }
+    }
+    return unmet;
+}
+
+/* The engine of ddp_link_xfer (any = 0) and ddp_link_xfer_any (any = 1). */
+static ddp_status xfer_drive(ddp_xfer *x, int n, ddp_wait w, int any, int *which) {
     fdset fs;
     fs.fds = fs.stack;
     fs.cap = STACK_FDS;
     const int64_t start = ddp_now_ms();
     int64_t checked = start; /* last progress (seen when idle) or check */
     int64_t hooked = start;  /* last call of w.check */
-    int progressed = 0;
+    int progressed = 0, alive = 0;
     unsigned idle = 0;
-    ddp_status st = DDP_OK;
+    ddp_status st = DDP_OK, dropped = DDP_OK;
 
     for (;;) {
         int moved = 0;
         for (int i = 0; i < n; i++) {
             ddp_xfer *t = &x[i];
             if (t->parked) {
-                if (t->done >= t->want) continue;
+                if (any || t->done >= t->want) continue;
                 t->parked = 0; /* needed now: retrying reports the failure afresh */
             }
             if (t->done >= t->len) continue;
             st = xfer_try(t, &moved);
             if (st == DDP_OK) continue;
+            if (any) {          /* dropped; the others may still deliver */
+                t->parked = 1;
+                dropped = st;
+                st = DDP_OK;
+                continue;
+            }
             if (t->done < t->want) goto out;
             /* Failed after giving this call what it wanted (e.g. a peer that
              * sent its header and closed): let the other transfers finish so
@@ -201,9 +242,13 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
             t->parked = 1;
             st = DDP_OK;
         }
-        const ddp_xfer *unmet = NULL;
-        for (int i = 0; i < n && !unmet; i++)
-            if (x[i].done < x[i].want) unmet = &x[i];
+        const ddp_xfer *unmet = xfer_unmet(x, n, any, which, &alive);
+        if (any && alive == 0) {    /* every transfer failed: report the last failure */
+            st = dropped != DDP_OK ? dropped
+                                   : ddp_error(DDP_ERR_INTERNAL, "ddp_link_xfer_any: every "
+                                               "transfer had failed before the call");
+            goto out;
+        }
         if (!unmet) goto out;
         if (ddp_wait_aborted(w)) {
             st = xfer_stuck(DDP_ERR_ABORTED, unmet, start);
@@ -237,6 +282,27 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
 out:
     if (fs.fds != fs.stack) free(fs.fds);
     return st;
+}
+
+ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w) {
+    return xfer_drive(x, n, w, 0, NULL);
+}
+
+ddp_status ddp_link_xfer_any(ddp_xfer *x, int n, ddp_wait w, int *which) {
+    *which = -1;
+    if (n <= 0) return ddp_error(DDP_ERR_INTERNAL, "ddp_link_xfer_any without transfers");
+    return xfer_drive(x, n, w, 1, which);
+}
+
+ddp_status ddp_link_unread(ddp_link *l, const void *buf, size_t n) {
+    if (n == 0) return DDP_OK;
+    if (n > DDP_LINK_HELD_MAX - l->held_len)
+        return ddp_error(DDP_ERR_INTERNAL, "cannot hand %zu bytes back to the link to %s: it "
+                         "holds %zu of at most %d", n, l->desc, l->held_len, DDP_LINK_HELD_MAX);
+    memmove(l->held + n, l->held, l->held_len);
+    memcpy(l->held, buf, n);
+    l->held_len += n;
+    return DDP_OK;
 }
 
 ddp_status ddp_link_sendrecv(ddp_link *sl, const void *sbuf, size_t sn, ddp_link *rl,

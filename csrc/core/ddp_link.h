@@ -57,11 +57,18 @@ typedef struct ddp_link_ops {
     int (*poll_fds)(ddp_link *l, int send, struct pollfd *fds, int max);
 } ddp_link_ops;
 
+/* Most bytes a link holds back for its next receive (ddp_link_unread). */
+#define DDP_LINK_HELD_MAX 64
+
 struct ddp_link {
     const ddp_link_ops *ops;
     int peer;              /* peer's rank */
     char desc[300];        /* "rank 3 (10.0.0.5:41234)", for messages */
     void *impl;            /* transport state */
+    /* Bytes already taken from the transport and handed back: the drivers
+     * give them to the next receives before reading the transport again. */
+    unsigned char held[DDP_LINK_HELD_MAX];
+    size_t held_len;
 };
 
 /* Blocking drivers: move exactly n bytes or fail with TIMEOUT, ABORTED,
@@ -95,6 +102,19 @@ typedef struct ddp_xfer {
  * done >= want; TIMEOUT, ABORTED or the first transfer's failure otherwise
  * (messages name the direction and the link's desc). */
 ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w);
+
+/* Like ddp_link_xfer, but returns as soon as one transfer has done >= want
+ * (*which = its index; the others keep what they moved, so a later call can
+ * go on with them). A transfer whose link fails before its want is dropped
+ * (done unchanged, parked = 1) and the call goes on with the others; it
+ * fails only when every transfer failed (the last failure), or with TIMEOUT
+ * or ABORTED. Transfers must have done < want on entry. */
+ddp_status ddp_link_xfer_any(ddp_xfer *x, int n, ddp_wait w, int *which);
+
+/* Hand back n bytes received from l (n + what l already holds at most
+ * DDP_LINK_HELD_MAX): the next receive on l gets them first, in front of
+ * what it held already. DDP_ERR_INTERNAL if they do not fit. */
+ddp_status ddp_link_unread(ddp_link *l, const void *buf, size_t n);
 
 void ddp_link_shutdown(ddp_link *l);
 void ddp_link_free(ddp_link *l);   /* NULL is a no-op */

@@ -60,6 +60,8 @@ typedef struct tcp_dir {
     uint64_t at;     /* stream offset of the open call's first byte (or of the next call) */
     const void *buf; /* the open call; NULL: none */
     size_t len;
+    size_t skip;     /* bytes of buf done before the call opened (held bytes, ddp_link.h) */
+    uint64_t got;    /* bytes the open call moved on any socket so far */
 } tcp_dir;
 
 typedef struct tcp_link {
@@ -108,14 +110,16 @@ static uint64_t sock_pos(int n, int i, uint64_t moved) {
     return (moved / SEG * (uint64_t)n + (uint64_t)i) * SEG + moved % SEG;
 }
 
-/* Open the call (buf, len) in direction d, or check that it is the open one. */
+/* Open the call (buf, len) in direction d, of which the first `done` bytes
+ * came from elsewhere (bytes the link held back), or check that it is the
+ * open one. An open call that moved nothing yet may be given up for another
+ * (a receive from any source drops the links that did not answer first). */
 static ddp_status stripe_call(tcp_dir *d, const void *buf, size_t len, size_t done) {
-    if (d->buf == NULL) {
-        if (done != 0)
-            return ddp_error(DDP_ERR_INTERNAL, "a transfer on a striped link started at byte "
-                             "%zu, not 0", done);
+    if (d->buf == NULL || d->got == 0) {   /* (re)open: nothing of the open one moved */
         d->buf = buf;
         d->len = len;
+        d->skip = done;
+        d->got = 0;
         return DDP_OK;
     }
     if (d->buf != buf || d->len != len)
@@ -133,7 +137,9 @@ static ddp_status stripe_move(tcp_link *t, int send, void *buf, size_t len, size
     ddp_status st = stripe_call(d, buf, len, *done);
     if (st != DDP_OK) return st;
     const int n = atomic_load_explicit(&t->n, memory_order_relaxed);
-    const uint64_t base = d->at, end = base + len;
+    /* stream bytes [base, end) are buf[skip, len) */
+    const uint64_t base = d->at, end = base + (len - d->skip);
+    char *from = (char *)buf + d->skip;
     uint64_t low = end;
     for (int i = 0; i < n && st == DDP_OK; i++) {
         for (;;) {
@@ -141,11 +147,12 @@ static ddp_status stripe_move(tcp_link *t, int send, void *buf, size_t len, size
             if (pos >= end) break;
             uint64_t seg_end = pos - pos % SEG + SEG;
             size_t want = (size_t)((seg_end < end ? seg_end : end) - pos), k = 0;
-            char *p = (char *)buf + (pos - base);
+            char *p = from + (pos - base);
             errno = 0;
             st = send ? ddp_sock_send_some(t->fd[i], p, want, &k)
                       : ddp_sock_recv_some(t->fd[i], p, want, &k);
             d->moved[i] += k;
+            d->got += k;
             if (st != DDP_OK) {
                 st = ddp_error_prefix(tcp_checked(t, st), "stream %d of %d: ", i + 1, n);
                 break;
@@ -157,7 +164,7 @@ static ddp_status stripe_move(tcp_link *t, int send, void *buf, size_t len, size
         uint64_t pos = sock_pos(n, i, d->moved[i]);
         if (pos < low) low = pos;
     }
-    *done = (size_t)(low - base);
+    *done = d->skip + (size_t)(low - base);
     if (*done == len) { /* complete: the stream is at the call's end on every socket */
         d->buf = NULL;
         d->at = end;
@@ -172,7 +179,7 @@ static int stripe_fds(const tcp_link *t, int send, struct pollfd *fds, int max) 
     const int n = atomic_load_explicit(&t->n, memory_order_relaxed);
     int k = 0;
     for (int i = 0; i < n && d->buf; i++) {
-        if (sock_pos(n, i, d->moved[i]) >= d->at + d->len) continue;
+        if (sock_pos(n, i, d->moved[i]) >= d->at + (d->len - d->skip)) continue;
         if (k < max) fds[k] = (struct pollfd){t->fd[i], send ? POLLOUT : POLLIN, 0};
         k++;
     }

@@ -102,6 +102,10 @@ ddp_status ddp_nccl_validate(const ddp_nccl_comm *c, const ddp_coll_args *a) {
         return ddp_error(DDP_ERR_INVALID, "unknown collective kind %d", (int)a->kind);
     const char *nm = ddp_coll_name(a->kind);
     const char *who = (a->kind == DDP_COLL_SEND || a->kind == DDP_COLL_RECV) ? "peer" : "root";
+    if (a->kind == DDP_COLL_RECV && a->root == DDP_ANY_SOURCE)
+        return ddp_error(DDP_ERR_INVALID, "recv: a receive from any source is not possible on "
+                         "GPU tensors (NCCL can only receive from a named peer); pass src=, or "
+                         "receive into a CPU tensor");
     if (has_root(a->kind) && (a->root < 0 || a->root >= c->size))
         return ddp_error(DDP_ERR_INVALID, "%s: %s %d is out of range for world size %d", nm, who,
                          a->root, c->size);

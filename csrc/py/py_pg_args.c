@@ -46,11 +46,19 @@ int ddp_py_coll_args_fill(int kind, int size, int rank, int root, ddp_py_array *
     if (kind == DDP_COLL_SCATTER) { need_a = rank == root; need_b = 1; }
     if (need_a && a->owner == NULL) return ddp_py_bad("%s: the input array is required", nm);
     if (need_b && b->owner == NULL) return ddp_py_bad("%s: the output array is required", nm);
-    if (a->owner && b->owner && a->dtype != b->dtype)
+    int *source = NULL;
+    if (kind == DDP_COLL_RECV && root == DDP_ANY_SOURCE) {
+        /* b: where the sender's group rank goes (one int32 in host memory) */
+        if (b->owner && (b->dtype != DDP_INT32 || b->count != 1 || b->device != DDP_DEV_CPU))
+            return ddp_py_bad("recv from any source: the second array must be one int32 in "
+                              "host memory (the sender's rank goes there)");
+        source = b->owner ? (int *)b->ptr : NULL;
+    } else if (a->owner && b->owner && a->dtype != b->dtype)
         return ddp_py_bad("%s: input dtype %s differs from output dtype %s", nm,
                    ddp_dtype_name(a->dtype), ddp_dtype_name(b->dtype));
     ca->kind = (ddp_coll_kind)kind;
     ca->root = root;
+    ca->source = source;
     ca->dtype = a->owner ? a->dtype : b->owner ? b->dtype : DDP_UINT8;
     size_t n;
     switch (kind) {

@@ -70,6 +70,24 @@ static inline void hworld_init(hworld *w, int n, size_t small_bytes, size_t chun
     T_ASSERT(pthread_barrier_init(&w->bar, NULL, (unsigned)n) == 0);
 }
 
+/* Stripe every link of w over k more socketpairs (ddp_link_tcp_add_streams),
+ * as PYDDP_NSOCKS_PERPEER = k + 1 does; k at most 7. */
+static inline void hworld_stripe(hworld *w, int k) {
+    for (int i = 0; i < w->n; i++) {
+        for (int j = i + 1; j < w->n; j++) {
+            int fa[8], fb[8];
+            for (int s = 0; s < k; s++) {
+                int sv[2];
+                T_ASSERT(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+                fa[s] = sv[0];
+                fb[s] = sv[1];
+            }
+            T_OK(ddp_link_tcp_add_streams(w->links[i][j], fa, k));
+            T_OK(ddp_link_tcp_add_streams(w->links[j][i], fb, k));
+        }
+    }
+}
+
 static inline void hworld_free(hworld *w) {
     for (int r = 0; r < w->n; r++) {
         ddp_group_release_scratch(&w->g[r]);

@@ -32,8 +32,8 @@ static void test_validate(void) {
     expect_invalid(g, a, DDP_ERR_INVALID, "root 3 is out of range for a group of 3 ranks");
     a.kind = DDP_COLL_SEND, a.root = 1;
     expect_invalid(g, a, DDP_ERR_INVALID, "rank 1 cannot send to itself");
-    a.kind = DDP_COLL_RECV, a.root = -1;
-    expect_invalid(g, a, DDP_ERR_INVALID, "peer -1 is out of range");
+    a.kind = DDP_COLL_RECV, a.root = -2;   /* -1 is DDP_ANY_SOURCE (test_recv_any.c) */
+    expect_invalid(g, a, DDP_ERR_INVALID, "peer -2 is out of range");
     a = ar, a.dtype = DDP_BOOL, a.op = DDP_AVG;
     expect_invalid(g, a, DDP_ERR_TYPE, "AVG");
     a = ar, a.dtype = (ddp_dtype)42;

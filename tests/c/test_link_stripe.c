@@ -199,18 +199,7 @@ static void allreduce_rank(hworld *w, int r, void *arg) {
 static void test_allreduce(void) {
     hworld w;
     hworld_init(&w, 3, 0, 100 << 10);
-    for (int i = 0; i < w.n; i++)
-        for (int j = i + 1; j < w.n; j++) {
-            int fa[2], fb[2];
-            for (int k = 0; k < 2; k++) {
-                int sv[2];
-                T_ASSERT(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
-                fa[k] = sv[0];
-                fb[k] = sv[1];
-            }
-            T_OK(ddp_link_tcp_add_streams(w.links[i][j], fa, 2));
-            T_OK(ddp_link_tcp_add_streams(w.links[j][i], fb, 2));
-        }
+    hworld_stripe(&w, 2);
     hrun(&w, allreduce_rank, NULL);
     hworld_free(&w);
     printf("all-reduce over 3-way striped links: ok\n");

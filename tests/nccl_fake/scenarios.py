@@ -228,6 +228,7 @@ def grouped_public():
         FakeDevArray(np.zeros(2, np.float32)), FakeDevArray(np.zeros(3, np.float32))))
     out["overlap"] = error(lambda: pyddp.all_to_all_single(FakeDevArray(z), FakeDevArray(z)))
     b = np.ones(3, np.float32)
+    out["recv_any"] = error(lambda: pyddp.irecv(FakeDevArray(b)))
     out["batch_self_send"] = error(lambda: pyddp.batch_isend_irecv(
         [pyddp.P2POp(pyddp.isend, FakeDevArray(b), 0)]))
     out["batch_self_recv"] = error(lambda: pyddp.batch_isend_irecv(
