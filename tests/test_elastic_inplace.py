@@ -361,3 +361,55 @@ def test_inplace_torch_ddp(tmp_path):
     finally:
         job.close()
     check_records(job.records)
+
+
+def test_inplace_joiner_that_cannot_take_part_is_left_out(tmp_path):
+    """A joiner whose data port cannot be opened (its PYDDP_PORT_RANGE is one port that
+    something else holds; a node whose ports the others cannot reach fails the same
+    rebuild): the rebuild that admits it fails once, the joiner exits non-zero with an
+    error about its data port, and the job goes on in the same processes (the next
+    change leaves out what the failed epoch admitted)."""
+    import socket
+    holder = socket.socket()
+    holder.bind(("", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    job = LocalJob(tmp_path, env={"PYDDP_TIMEOUT": "10"})
+    try:
+        for r in range(2):
+            job.start(f"r{r}", r, 2)
+        pids = job.wait_for(lambda r: r["world"] == 2 and r["epoch"] >= 1, 90,
+                            "epoch at world 2")["pids"]
+        job.env = {"PYDDP_TIMEOUT": "10", "PYDDP_PORT_RANGE": f"{port}-{port}"}
+        job.start("bad", join=True)
+        job.wait_line(lambda n, ln: n == "bad" and "data port" in ln, 90, "the joiner's error")
+        assert job.procs["bad"].wait(timeout=30) != 0
+        last = job.records[-1]["epoch"] if job.records else 0
+        rec = job.wait_for(lambda r: r["epoch"] >= last + 2, 60, "epochs after the refusal")
+        assert rec["world"] == 2 and rec["pids"] == pids, rec
+        job.finish(["r0", "r1"])
+    finally:
+        job.close()
+        holder.close()
+    check_records(job.records)
+
+
+def test_half_written_join_and_answer_records_are_skipped():
+    """A process that dies between taking its ticket and writing its record leaves a
+    hole: the readers skip it (after a short wait) instead of failing as if the store
+    were lost."""
+    from pyddp import TCPStore
+    from pyddp.elastic import _membership
+    st = TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        base = "/pyddp/test/elastic"
+        st.add(f"{base}/join", 2)                      # tickets 0 and 1 taken
+        st.set(f"{base}/join/1", json.dumps({"id": "b", "node": "n1", "local_rank": 0,
+                                             "local_size": 1, "version": "x"}))
+        t0 = time.monotonic()
+        ready = _membership.ready_joiners(st, base, set())
+        assert [i for i, _ in ready] == [1], ready      # ticket 0's hole skipped
+        assert time.monotonic() - t0 < 5
+        assert _membership.get_optional(st, f"{base}/0/reg/1", 0.2) is None
+    finally:
+        st.close()
