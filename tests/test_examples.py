@@ -125,3 +125,42 @@ def test_elastic_train_with_the_pyddp_rendezvous_and_a_leave(tmp_path):
     assert re.search(r"epoch 4/4  world 2 ", out), out[-4000:]
     acc = float(re.search(r"final accuracy (\S+) on", out).group(1))
     assert acc > 0.85, out[-3000:]
+
+
+def test_pyddp_rendezvous_store_is_authenticated(tmp_path):
+    """--rdzv-backend=pyddp serves pyddp's store: with PYDDP_AUTH_TOKEN the job runs
+    (its workers authenticate), and a node holding another token is refused at the
+    store with an error that says so."""
+    import os
+    import subprocess
+    from launch import free_port, kill_group
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYDDP_AUTH_TOKEN="s3cret")
+    line = [PY, "-m", "torch.distributed.run", "--rdzv-backend=pyddp",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=au", "--nnodes=1:2",
+            "--nproc_per_node=2", "--max-restarts=0", "--monitor-interval=0.5",
+            "--rdzv-conf=is_host=1,last_call_timeout=1"]
+    script = [f"{ROOT}/examples/elastic_train.py", "--epochs", "1", "--train-samples", "2048"]
+    good = subprocess.Popen(line + script, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        import socket
+        import time
+        deadline = time.monotonic() + 60
+        while True:                   # the first node's agent serves the store
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the store never came up"
+                time.sleep(0.2)
+        bad = run(line[:-1] + ["--rdzv-conf=is_host=0"] + script,
+                  env={"PYDDP_AUTH_TOKEN": "another"}, timeout=60)
+        assert bad.returncode != 0
+        assert "authentication failed with the store" in bad.output, bad.output[-3000:]
+        out, _ = good.communicate(timeout=120)
+        assert good.returncode == 0, out[-4000:]
+        assert "final accuracy" in out, out[-3000:]
+    finally:
+        kill_group(good.pid)
