@@ -237,12 +237,13 @@ def _same_processes(rec, pids):
     assert rec["pids"] == pids, (rec, pids)
 
 
-def _inplace_lost_and_back(b, tmp, static=False):
+def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None):
     """In place, agent's store: host 1 killed; its survivors go on in the same
     processes; host 1 started again is admitted: with its own line in the static form
     (its workers find the job running in the store), with the joining line in the c10d
-    form (whose stock agents would restart for a node in their rendezvous)."""
-    job = Job(b, "inplace", tmp, "2" if static else "1:2", static=static)
+    form (whose stock agents would restart for a node in their rendezvous), with its own
+    line on pyddp's rendezvous (rdzv="pyddp")."""
+    job = Job(b, mode, tmp, "2" if static else "1:2", static=static, rdzv=rdzv)
     try:
         job.start(0)
         job.start(1)
@@ -251,7 +252,7 @@ def _inplace_lost_and_back(b, tmp, static=False):
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after host 1 was killed"), pids[:2])
-        job.start(1, join=not static)
+        job.start(1, join=not static and rdzv is None)
         rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 joined")
         assert rec["pids"][:2] == pids[:2]
         job.finish([0, 1])
@@ -405,27 +406,8 @@ def test_inplace_paused_rank_kept_state_and_samples(tmp_path):
     _run(_paused_and_stateful, 3, tmp_path)
 
 
-def _torch_ddp_one_line(b, tmp):
+def test_inplace_torch_ddp_one_line(tmp_path):
     """The first seed's script with torch's own DDP and sampler (tests/workers/
     elastic_job.py torchddp) on docs/elastic.md's line: host 1 killed, the others go
     on in the same processes; host 1 runs its line again and is admitted in place."""
-    job = Job(b, "torchddp", tmp, "1:2", rdzv="pyddp")
-    try:
-        job.start(0)
-        job.start(1)
-        pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 150,
-                            "epoch at world 4")["pids"]
-        job.kill(1)
-        _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
-                                     "epoch at world 2 after host 1 was killed"), pids[:2])
-        job.start(1)
-        rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 returned")
-        assert rec["pids"][:2] == pids[:2], rec
-        job.finish([0, 1])
-    finally:
-        job.close()
-    job.check_epochs()
-
-
-def test_inplace_torch_ddp_one_line(tmp_path):
-    _run(_torch_ddp_one_line, 2, tmp_path)
+    _run(_inplace_lost_and_back, 2, tmp_path, False, "torchddp", "pyddp")

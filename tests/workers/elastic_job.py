@@ -138,32 +138,22 @@ def restart_mode(step_s, stop_file):
     dist.destroy_process_group()
 
 
-def inplace_mode(step_s, stop_file):
-    """pyddp.elastic: survivors go on in the same processes, joiners are admitted."""
+def train_in_place(state, box, opt, step_s, stop_file, d):
+    """The in-place modes' loop under pyddp.elastic.run: box["model"] and box["sampler"]
+    (re-made by the reset callback), d: pyddp or torch.distributed. Prints ``done``."""
     from pyddp import elastic
-    dist.init_process_group("cpu")
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(8, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x, y = data()
-    state = elastic.TorchState(model=model, optimizer=opt, epoch=0)
-    box = {}
-
-    def remake_sampler():
-        box["sampler"] = DistributedSampler(range(N), shuffle=True, seed=1)
-
-    remake_sampler()
-    state.register_reset_callbacks([remake_sampler])
     joined = elastic.joined()
     pid = os.getpid()
 
     @elastic.run
     def train(state):
         while True:
-            idx = run_epoch(model, opt, box["sampler"], state.epoch, x, y, step_s)
-            pids = [None] * dist.get_world_size()
-            dist.all_gather_object(pids, pid)
-            stop = report(model, opt, state.epoch, idx, stop_file, {"pids": pids})
+            idx = run_epoch(box["model"], opt, box["sampler"], state.epoch, x, y, step_s)
+            pids = [None] * d.get_world_size()
+            d.all_gather_object(pids, pid)
+            stop = report(box["model"], opt, state.epoch, idx, stop_file, {"pids": pids},
+                          dist=d)
             state.epoch += 1
             state.commit()
             if stop:
@@ -171,7 +161,25 @@ def inplace_mode(step_s, stop_file):
 
     last = train(state)
     print(f"done pid={pid} joined={int(joined)} epoch={last}", flush=True)
-    dist.destroy_process_group()
+    d.destroy_process_group()
+
+
+def inplace_mode(step_s, stop_file):
+    """pyddp.elastic: survivors go on in the same processes, joiners are admitted."""
+    from pyddp import elastic
+    dist.init_process_group("cpu")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = elastic.TorchState(model=model, optimizer=opt, epoch=0)
+    box = {"model": model}
+
+    def remake_sampler():
+        box["sampler"] = DistributedSampler(range(N), shuffle=True, seed=1)
+
+    remake_sampler()
+    state.register_reset_callbacks([remake_sampler])
+    train_in_place(state, box, opt, step_s, stop_file, dist)
 
 
 def torchddp_mode(step_s, stop_file):
@@ -183,36 +191,17 @@ def torchddp_mode(step_s, stop_file):
     tdist.init_process_group("pyddp")
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 4)
-    box = {"model": TorchDDP(net)}
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    x, y = data()
     state = elastic.TorchState(model=net, optimizer=opt, epoch=0)
+    box = {}
 
     def remake():
         box["model"] = TorchDDP(net)          # the wrapper holds the old group
         box["sampler"] = TorchSampler(range(N), shuffle=True, seed=1)
 
-    box["sampler"] = TorchSampler(range(N), shuffle=True, seed=1)
+    remake()
     state.register_reset_callbacks([remake])
-    joined = elastic.joined()
-    pid = os.getpid()
-
-    @elastic.run
-    def train(state):
-        while True:
-            idx = run_epoch(box["model"], opt, box["sampler"], state.epoch, x, y, step_s)
-            pids = [None] * tdist.get_world_size()
-            tdist.all_gather_object(pids, pid)
-            stop = report(box["model"], opt, state.epoch, idx, stop_file, {"pids": pids},
-                          dist=tdist)
-            state.epoch += 1
-            state.commit()
-            if stop:
-                return state.epoch
-
-    last = train(state)
-    print(f"done pid={pid} joined={int(joined)} epoch={last}", flush=True)
-    tdist.destroy_process_group()
+    train_in_place(state, box, opt, step_s, stop_file, tdist)
 
 
 if __name__ == "__main__":
