@@ -45,8 +45,9 @@ def _is_change(e, m, resetting=False):
         return True
     if resetting and m.joined_now and isinstance(e, _C.DistError):
         return True
-    if m.torch and _errors.last_failure is not None:
-        return True     # torch's DDP hands a failed all-reduce on as a plain RuntimeError
+    if m.torch and not isinstance(e, _C.DistError) and _errors.last_failure is not None:
+        e = _errors.last_failure    # torch's DDP hands a failed all-reduce on as a plain
+        #                             RuntimeError: judge the failure pyddp handed to torch
     if isinstance(e, (_C.CollectiveMismatchError, _C.BackendUnavailableError,
                       _C.VersionMismatchError, _C.AuthenticationError, _C.DistValueError,
                       _C.DistTypeError)):
