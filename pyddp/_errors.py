@@ -23,8 +23,9 @@ COLLECTIVE_FAILURES = (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendE
 
 _MIXED = {}       # (torch class, pyddp class) -> the class raised for both
 
-# The last collective failure handed to torch code (pyddp.elastic reads it: torch's DDP
-# passes a failed all-reduce on as a plain RuntimeError).
+# The class of the last collective failure handed to torch code (pyddp.elastic reads it:
+# torch's DDP passes a failed all-reduce on as a plain RuntimeError). The class only: the
+# exception's traceback would keep its frames, and the groups in them, alive.
 last_failure = None
 
 
@@ -53,7 +54,7 @@ def torch_error(e):
         return e
     global last_failure
     if isinstance(e, COLLECTIVE_FAILURES):
-        last_failure = e
+        last_failure = type(e)
     import torch.distributed as dist    # e is mapped for torch code: torch is imported
     if isinstance(e, dist.DistError):
         return e

@@ -149,8 +149,8 @@ class Job:
             except queue.Empty:
                 continue
             self.lines.append(f"[{i}] {line}")
-            if line.startswith("{"):
-                rec = json.loads(line)
+            rec = _record(line)
+            if rec is not None:
                 self.records.append(rec)
                 if pred(rec):
                     return rec
@@ -169,8 +169,9 @@ class Job:
         while not self.q.empty():
             i, line = self.q.get()
             self.lines.append(f"[{i}] {line}")
-            if line.startswith("{"):
-                self.records.append(json.loads(line))
+            rec = _record(line)
+            if rec is not None:
+                self.records.append(rec)
         for i in hosts:
             assert self.procs[i].returncode == 0, "\n".join(self.lines[-80:])
 
@@ -191,6 +192,17 @@ class Job:
             assert rec["covered"] and rec["used"] == N, rec
             assert len(set(rec["digests"])) == 1, rec
             assert len(rec["digests"]) == rec["world"]
+
+
+def _record(line):
+    """The JSON record a line holds, or None (not one, or the cut-off line of a process
+    killed while it printed)."""
+    if not line.startswith("{"):
+        return None
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def _run(fn, hosts, *args):

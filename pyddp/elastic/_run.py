@@ -45,14 +45,15 @@ def _is_change(e, m, resetting=False):
         return True
     if resetting and m.joined_now and isinstance(e, _C.DistError):
         return True
+    cls = type(e)
     if m.torch and not isinstance(e, _C.DistError) and _errors.last_failure is not None:
-        e = _errors.last_failure    # torch's DDP hands a failed all-reduce on as a plain
+        cls = _errors.last_failure  # torch's DDP hands a failed all-reduce on as a plain
         #                             RuntimeError: judge the failure pyddp handed to torch
-    if isinstance(e, (_C.CollectiveMismatchError, _C.BackendUnavailableError,
-                      _C.VersionMismatchError, _C.AuthenticationError, _C.DistValueError,
-                      _C.DistTypeError)):
+    if issubclass(cls, (_C.CollectiveMismatchError, _C.BackendUnavailableError,
+                        _C.VersionMismatchError, _C.AuthenticationError, _C.DistValueError,
+                        _C.DistTypeError)):
         return False
-    return isinstance(e, (_C.DistNetworkError, _C.DistBackendError, _C.DistTimeoutError))
+    return issubclass(cls, (_C.DistNetworkError, _C.DistBackendError, _C.DistTimeoutError))
 
 
 def _reset(m, state, why):
