@@ -245,8 +245,8 @@ def test_restart_based_host_lost_with_the_agents_store(tmp_path):
     _run(_restart_down, 2, tmp_path, {}, False)
 
 
-def _same_processes(rec, pids):
-    assert rec["pids"] == pids, (rec, pids)
+def _same_processes(rec, pids, job=None):
+    assert rec["pids"] == pids, (rec, pids, "\n".join(job.lines[-120:]) if job else "")
 
 
 def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None):
@@ -263,7 +263,7 @@ def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None):
                             "epoch at world 4")["pids"]
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
-                                     "epoch at world 2 after host 1 was killed"), pids[:2])
+                                     "epoch at world 2 after host 1 was killed"), pids[:2], job)
         job.start(1, join=not static and rdzv is None)
         rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 joined")
         assert rec["pids"][:2] == pids[:2]

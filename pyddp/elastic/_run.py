@@ -12,6 +12,7 @@ leaving ranks answer the change as leaving and exit, and the others go on from t
 commit at once (no settle wait, nothing rolled back).
 """
 import functools
+import gc
 import logging
 import signal
 import threading
@@ -76,6 +77,10 @@ def _reset(m, state, why):
     log.warning("pyddp: elastic: rank %d of %d, going on from commit %d", rank, size,
                 state._commit_no)
     state.on_reset()
+    # A DDP wrapper the callbacks replaced often lives on in a reference cycle: torch's
+    # keeps its reducer's hooks on the parameters until it is collected, and they would
+    # fire beside the new wrapper's in the next backward.
+    gc.collect()
 
 
 def _leave(m):
