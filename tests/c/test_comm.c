@@ -183,9 +183,14 @@ static void inline_scenario(rank_ctx *c) {
     ddp_work *w = NULL;
     T_OK(ddp_comm_submit(comm, &large, -1, &w));
     /* busy: declined before validation, which submit then does */
-    T_OK(run_inline(comm, &bad, NULL, &taken));
-    if (!taken) T_STATUS(run_one(comm, &bad, -1), DDP_ERR_INVALID);
-    else T_ASSERT(strstr(ddp_last_error(), "root") != NULL);   /* the big one had ended */
+    ddp_status bst = run_inline(comm, &bad, NULL, &taken);
+    if (!taken) {
+        T_OK(bst);
+        T_STATUS(run_one(comm, &bad, -1), DDP_ERR_INVALID);
+    } else {                                 /* the big one had ended: validated inline */
+        T_STATUS(bst, DDP_ERR_INVALID);
+        T_ASSERT(strstr(ddp_last_error(), "root") != NULL);
+    }
     for (int i = 0; i < 8; i++) x[i] = 1.0f;
     ddp_coll_args a = {.kind = DDP_COLL_ALLREDUCE, .dtype = DDP_FLOAT32, .op = DDP_SUM,
                        .count = 8, .buf = x};
