@@ -263,7 +263,7 @@ def check_state_records(records):
     steps applied, and per-rank random streams."""
     assert records
     for rec in records:
-        e, ranks = rec["epoch"], rec["ranks"]
+        ranks = rec["ranks"]
         assert rec["min"] == 1, rec              # no sample missed, none rolled away
         assert rec["max"] <= 2 and rec["twice"] <= 2 * 3, rec    # padding: < W per shard
         assert len({r["digest"] for r in ranks}) == 1, rec
@@ -278,7 +278,6 @@ def test_inplace_state_objects_sampler_and_rng(tmp_path):
     state, commits every 2 steps: rank 2 of 3 killed mid-epoch, then a joiner; every
     epoch applies each sample once, and the ranks agree on everything but their random
     draws."""
-    import signal as _signal  # noqa: F401
     job = LocalJob(tmp_path, step_s=0.03, script=STATE_JOB)
     try:
         for r in range(3):
