@@ -128,6 +128,23 @@ ddp_status ddp_coll_validate(const ddp_group *g, const ddp_coll_args *a) {
     return a->count > 0 ? check_buffers(g, a) : DDP_OK;
 }
 
+ddp_status ddp_group_need(ddp_group *g, int p, ddp_wait w) {
+    if (p < 0 || p >= g->size || p == g->rank || g->links[p]) return DDP_OK;
+    ddp_link *l = NULL;
+    ddp_status st;
+    if (g->parent) {
+        const int q = g->parent_rank[p];
+        st = ddp_group_need(g->parent, q, w);
+        l = g->parent->links[q];
+    } else if (g->connect) {
+        st = g->connect(g->connect_ctx, p, w, &l);
+    } else {
+        st = ddp_error(DDP_ERR_INTERNAL, "rank %d has no link to rank %d", g->rank, p);
+    }
+    if (st == DDP_OK) g->links[p] = l;
+    return st;
+}
+
 ddp_status ddp_coll_scratch(ddp_group *g, size_t n, void **out) {
     if (n > g->scratch_len) {
         /* free + malloc rather than realloc: the old contents are not needed. */
@@ -209,13 +226,22 @@ ddp_status ddp_coll_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     if (a->kind == DDP_COLL_ALLTOALL) return ddp_coll_a2a_run(g, a, w);
     if (a->kind == DDP_COLL_P2P_BATCH) return ddp_coll_batch_run(g, a, w);
     if (a->kind == DDP_COLL_RECV && a->root == DDP_ANY_SOURCE) return run_recv_any(g, a, w);
-    const int small = a->kind == DDP_COLL_BARRIER || ddp_coll_call_bytes(g, a) <= g->small_bytes;
+    int small = a->kind == DDP_COLL_BARRIER || ddp_coll_call_bytes(g, a) <= g->small_bytes;
+    /* A large group takes the O(log size) path for the kinds it has, and the
+     * bandwidth path's neighbour algorithms for the other collectives. */
+    const int tree = small && g->size > DDP_COLL_MESH_MAX &&
+                     (a->kind == DDP_COLL_ALLREDUCE || a->kind == DDP_COLL_BROADCAST ||
+                      a->kind == DDP_COLL_REDUCE || a->kind == DDP_COLL_BARRIER);
+    if (small && g->size > DDP_COLL_MESH_MAX && !tree && !is_p2p(a->kind)) small = 0;
     const int path = small ? DDP_COLL_PATH_SMALL
-                           : ddp_coll_hier_applies(g, a) ? DDP_COLL_PATH_HIER : DDP_COLL_PATH_LARGE;
+                     : !is_p2p(a->kind) && ddp_coll_hier_applies(g, a) ? DDP_COLL_PATH_HIER
+                                                                      : DDP_COLL_PATH_LARGE;
     const ddp_coll_hdr h = ddp_coll_hdr_make(g, a, path);
     ddp_status st;
     if (!is_p2p(a->kind)) g->seq++; /* send/recv involve two ranks only */
-    if (small) {
+    if (tree) {
+        st = ddp_coll_tree(g, a, &h, w);
+    } else if (small) {
         st = ddp_coll_small(g, a, &h, w);
     } else {
         ddp_coll_xchg x = {.peer = is_p2p(a->kind) ? a->root : -1, .sto = -1, .rfrom = -1};

@@ -10,8 +10,17 @@
  * sequence number, group tag) that each rank checks against its peers' (on
  * the latency path it travels with the data), so ranks that call different
  * collectives, or the same one with different counts, dtypes, ops or roots,
- * or on different process groups (g->tag differs), all fail with
- * DDP_ERR_MISMATCH and a message naming both sides.
+ * or on different process groups (g->tag differs), fail with
+ * DDP_ERR_MISMATCH and a message naming both sides. In groups of up to
+ * DDP_COLL_MESH_MAX ranks every rank checks every other's header, so every
+ * rank reports the mismatch. Larger groups check headers only between the
+ * ranks an algorithm joins (the ring's neighbours, the partners of each
+ * O(log size) step): agreement of every neighbouring pair is agreement of
+ * all, the ranks next to a difference report it, and the others fail as
+ * their links to those close.
+ *
+ * Links are made on first use (ddp_group_need), so a rank connects only to
+ * the peers its algorithms talk to.
  *
  * Buffer conventions (count is always in elements of dtype):
  *   ALLREDUCE       buf: count, in place
@@ -90,7 +99,16 @@ typedef struct ddp_coll_args {
 
 typedef struct ddp_group {
     int rank, size;
-    ddp_link **links;       /* [size]; links[rank] == NULL */
+    ddp_link **links;       /* [size]; links[rank] == NULL; NULL for a link not made
+                             * yet: algorithms get theirs by ddp_group_need */
+    /* How a missing link is made (ddp_group_need): through connect (a
+     * communicator's groups), or as parent's link to parent_rank[p] (a view
+     * over some of parent's ranks, e.g. the hierarchical algorithms'); with
+     * neither, every link must be there. */
+    ddp_status (*connect)(void *ctx, int p, ddp_wait w, ddp_link **out);
+    void *connect_ctx;
+    struct ddp_group *parent;
+    const int *parent_rank;
     uint64_t seq;           /* collectives run so far; advanced by ddp_coll_run */
     uint64_t tag;           /* identifies the group (set by the communicator; in headers) */
     void *scratch;          /* staging memory owned by the group (may grow) */
@@ -103,6 +121,17 @@ typedef struct ddp_group {
     int nhosts;             /* distinct hosts among the ranks (1 when host is NULL) */
     struct ddp_hier *hier;  /* views for the hierarchical algorithms, built on first use */
 } ddp_group;
+
+/* Groups larger than this check headers with their algorithm's peers only
+ * and run small all-reduce, broadcast, reduce and barrier in O(log size)
+ * steps (ddp_coll_tree.c); smaller groups do each in one exchange with
+ * every peer. */
+#define DDP_COLL_MESH_MAX 8
+
+/* Make sure g->links[p] is there (made through g->connect, or as the
+ * parent's link, when missing), by w. DDP_OK at once for p == g->rank or a
+ * link already made; otherwise the failure names the peer. */
+ddp_status ddp_group_need(ddp_group *g, int p, ddp_wait w);
 
 /* Bandwidth-path algorithm choice (PYDDP_ALGO). */
 #define DDP_ALGO_AUTO 0

@@ -107,7 +107,7 @@ static ddp_status a2a(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *
         ddp_coll_put_le64(mine + 8 * (size_t)p, a->scounts[p]);
         ddp_coll_put_le64(mine + 8 * ((size_t)n + p), a->rcounts[p]);
     }
-    const ddp_coll_xchg x = {.peer = -1, .sbase = mine, .sbytes = tbl, .sto = -1,
+    const ddp_coll_xchg x = {.peer = -1, .mesh = 1, .sbase = mine, .sbytes = tbl, .sto = -1,
                              .rbytes = tbl, .rfrom = -1};
     ddp_coll_xres r;
     ddp_status st = ddp_coll_exchange(g, h, &x, w, &r);

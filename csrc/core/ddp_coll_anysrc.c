@@ -77,6 +77,9 @@ ddp_status ddp_coll_recv_find(ddp_group *g, const ddp_coll_args *a, ddp_wait w, 
     int *peer = (int *)((char *)mem + off_peer);
     unsigned char *hdr = (unsigned char *)mem + off_hdr;
     int nx = 0;
+    /* Any peer may be the sender: a link to each (made now where missing). */
+    for (int p = 0; p < n && st == DDP_OK; p++) st = ddp_group_need(g, p, w);
+    if (st != DDP_OK) return st;
     for (int p = 0; p < n; p++) {
         if (p == me) continue;
         x[nx] = (ddp_xfer){.link = g->links[p], .send = 0, .dst = hdr + (size_t)nx * hb,

@@ -230,6 +230,8 @@ static ddp_status handshake(ddp_group *g, const ddp_coll_args *a, const ddp_coll
     ddp_xfer *x = pl->xf;
     for (int k = 0; k < pl->np; k++) {
         const pair *p = &pl->pairs[k];
+        ddp_status need = ddp_group_need(g, p->peer, w);
+        if (need != DDP_OK) return need;
         ddp_link *l = g->links[p->peer];
         x[2 * k] = (ddp_xfer){.link = l, .send = 1, .src = p->out, .len = p->len};
         x[2 * k + 1] = (ddp_xfer){.link = l, .send = 0, .dst = p->in, .len = p->len, .want = hb};

@@ -169,10 +169,14 @@ ddp_status ddp_coll_hier_pipeline(ddp_group *g, const ddp_coll_args *a, ddp_wait
         if (st == DDP_OK) st = rail_piece(&p, 0);
         return st == DDP_OK ? host_stage(&p, 0, 1) : st;
     }
+    /* Links are made before the rail thread starts: both threads then only
+     * read the views' link arrays. */
+    ddp_status st = ddp_coll_ring_need(&g->hier->local, w);
+    if (st == DDP_OK) st = ddp_coll_ring_need(&g->hier->rail, w);
+    if (st != DDP_OK) return st;
     pthread_mutex_init(&p.mu, NULL);
     pthread_cond_init(&p.cv, NULL);
     pthread_t rail;
-    ddp_status st = DDP_OK;
     if (pthread_create(&rail, NULL, rail_main, &p) != 0) {
         st = ddp_error(DDP_ERR_SYS, "could not start the thread for the all-reduce across "
                        "hosts");

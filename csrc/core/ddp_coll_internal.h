@@ -50,7 +50,10 @@ typedef struct ddp_coll_hdr {
  * receives one from each peer (or only to/from `peer` for send/recv). A
  * message is the 40-byte header followed by an optional payload. */
 typedef struct ddp_coll_xchg {
-    int peer;            /* -1: every other rank; else only this rank */
+    int peer;            /* -1: every other rank (in a group of more than
+                          * DDP_COLL_MESH_MAX ranks: the ring neighbours only,
+                          * unless mesh); else only this rank */
+    int mesh;            /* with peer -1: every other rank whatever the size */
     const void *sbase;   /* payload to send (NULL when sbytes == 0) */
     size_t sbytes;       /* payload bytes per destination */
     size_t sstride;      /* 0: the same payload to all; else rank p gets sbase + p*sstride */
@@ -148,9 +151,22 @@ static inline size_t ddp_coll_align(size_t n) { return (n + 63) & ~(size_t)63; }
  * TIMEOUT, ABORTED or a link's failure otherwise. Errors carry no prefix. */
 ddp_status ddp_coll_recv_find(ddp_group *g, const ddp_coll_args *a, ddp_wait w, int *src);
 
+/* The header raw, received from rank p, must be p's for the same call as
+ * mine (same_call, path and sequence number): DDP_ERR_MISMATCH naming both
+ * calls otherwise (ddp_coll_xchg.c). */
+ddp_status ddp_coll_hdr_agree(const ddp_coll_hdr *mine, int p, const unsigned char *raw);
+
+/* Latency path of groups larger than DDP_COLL_MESH_MAX (ddp_coll_tree.c):
+ * ALLREDUCE, BROADCAST, REDUCE and BARRIER in O(log size) steps. */
+ddp_status ddp_coll_tree(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
+                         ddp_wait w);
+
 /* Latency path: the whole collective in one exchange. */
 ddp_status ddp_coll_small(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
                           ddp_wait w);
+
+/* Make the links to g's ring neighbours (rank +- 1) if missing. */
+ddp_status ddp_coll_ring_need(ddp_group *g, ddp_wait w);
 
 /* Ring pieces over any group or view (the hierarchical algorithms run them
  * on a host's ranks and on a rail): an in-place reduce-scatter of `count`

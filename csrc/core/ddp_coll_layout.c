@@ -2,9 +2,9 @@
  * the group that the hierarchical algorithms run on (ddp_coll_hier.c).
  *
  * A view is a ddp_group over some of the group's ranks: its own rank, size,
- * link array (pointers into the group's links, refreshed before each use
- * because the communicator may replace a link, e.g. TCP by shared memory)
- * and its own scratch. Views never exchange headers: the call's header was
+ * link array (pointers to the group's links, refreshed before each use; a
+ * link not made yet is made through the group, its parent) and its own
+ * scratch. Views never exchange headers: the call's header was
  * checked on the whole group before any view moves data.
  */
 #include "ddp_coll_internal.h"
@@ -102,6 +102,11 @@ static ddp_status build_views(ddp_group *g) {
     h->rail.links = h->links + h->per_host;
     h->chain.size = n;
     h->chain.links = h->links + h->per_host + nh;
+    /* The views' links are g's, made on first use through g. */
+    h->local.parent = h->rail.parent = h->chain.parent = g;
+    h->local.parent_rank = h->local_ranks;
+    h->rail.parent_rank = h->rail_ranks;
+    h->chain.parent_rank = h->order;
     g->hier = h;
     return DDP_OK;
 nomem:
@@ -110,16 +115,50 @@ nomem:
     return ddp_error(DDP_ERR_NOMEM, "out of memory describing the group's hosts");
 }
 
+/* A rank and its host identity, sorted by identity (NULL first: each NULL
+ * is a host of its own), then rank. */
+typedef struct id_rank {
+    const char *id;
+    int r;
+} id_rank;
+
+static int id_rank_cmp(const void *x, const void *y) {
+    const id_rank *a = x, *b = y;
+    int c = !a->id || !b->id ? (a->id != NULL) - (b->id != NULL) : strcmp(a->id, b->id);
+    return c ? c : (a->r > b->r) - (a->r < b->r);
+}
+
+/* host[r] for every rank: equal identities share a number, hosts numbered
+ * in order of their first rank; O(n log n) (groups reach thousands of
+ * ranks). Returns the number of hosts, or -1 when out of memory. */
+static int number_hosts(const char *const *ids, int n, int *host) {
+    id_rank *s = malloc((size_t)n * sizeof *s);
+    int *first = malloc((size_t)n * sizeof *first), nh = 0;
+    if (!s || !first) {
+        free(s);
+        free(first);
+        return -1;
+    }
+    for (int r = 0; r < n; r++) s[r] = (id_rank){ids[r], r};
+    qsort(s, (size_t)n, sizeof *s, id_rank_cmp);
+    /* first[r]: the first rank of r's host (runs of equal ids, rank order) */
+    for (int i = 0, lead = 0; i < n; i++) {
+        if (i == 0 || !s[i].id || !s[lead].id || strcmp(s[i].id, s[lead].id) != 0) lead = i;
+        first[s[i].r] = s[lead].r;
+    }
+    for (int r = 0; r < n; r++) host[r] = first[r] == r ? nh++ : host[first[r]];
+    free(s);
+    free(first);
+    return nh;
+}
+
 ddp_status ddp_group_set_layout(ddp_group *g, const char *const *ids) {
     const int n = g->size;
     int *host = malloc((size_t)n * sizeof *host);
-    if (!host) return ddp_error(DDP_ERR_NOMEM, "out of memory describing the group's hosts");
-    int nh = 0;
-    for (int r = 0; r < n; r++) {
-        host[r] = -1;
-        for (int q = 0; q < r && host[r] < 0; q++)
-            if (ids[q] && ids[r] && strcmp(ids[q], ids[r]) == 0) host[r] = host[q];
-        if (host[r] < 0) host[r] = nh++;
+    int nh = host ? number_hosts(ids, n, host) : -1;
+    if (nh < 0) {
+        free(host);
+        return ddp_error(DDP_ERR_NOMEM, "out of memory describing the group's hosts");
     }
     ddp_group_free_layout(g);
     g->algo = algo_setting();

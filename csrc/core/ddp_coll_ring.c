@@ -40,9 +40,16 @@ typedef struct ring_rs {
     char *rtmp; /* one chunk: where received partial sums land */
 } ring_rs;
 
+ddp_status ddp_coll_ring_need(ddp_group *g, ddp_wait w) {
+    ddp_status st = ddp_group_need(g, ring_mod(g->rank + 1, g->size), w);
+    return st == DDP_OK ? ddp_group_need(g, ring_mod(g->rank - 1, g->size), w) : st;
+}
+
 static ddp_status ring_reduce_scatter(ddp_group *g, const ring_rs *p, ddp_wait w) {
     const int n = g->size, me = g->rank;
     const size_t es = p->wes, ce = ddp_coll_chunk_elems(g, es);
+    ddp_status need = ddp_coll_ring_need(g, w);
+    if (need != DDP_OK) return need;
     ddp_link *next = g->links[ring_mod(me + 1, n)], *prev = g->links[ring_mod(me - 1, n)];
     const char *sent = NULL; /* the partial sums accumulated in the previous step */
     for (int s = 0; s < n - 1; s++) {
@@ -74,6 +81,8 @@ static ddp_status ring_reduce_scatter(ddp_group *g, const ring_rs *p, ddp_wait w
 static ddp_status ring_all_gather(ddp_group *g, char *data, size_t count, size_t es,
                                   ddp_wait w) {
     const int n = g->size, me = g->rank;
+    ddp_status need = ddp_coll_ring_need(g, w);
+    if (need != DDP_OK) return need;
     ddp_link *next = g->links[ring_mod(me + 1, n)], *prev = g->links[ring_mod(me - 1, n)];
     for (int s = 0; s < n - 1; s++) {
         size_t soff, slen, roff, rlen;

@@ -19,10 +19,19 @@
 /* The rank at chain position pos, for a chain starting at root. */
 static int chain_rank(int pos, int root, int n) { return (pos + root) % n; }
 
+/* The links to this rank's neighbours on the chain (made if missing). */
+static ddp_status chain_need(ddp_group *g, int pos, int root, ddp_wait w) {
+    const int n = g->size;
+    ddp_status st = pos > 0 ? ddp_group_need(g, chain_rank(pos - 1, root, n), w) : DDP_OK;
+    return st == DDP_OK && pos < n - 1 ? ddp_group_need(g, chain_rank(pos + 1, root, n), w) : st;
+}
+
 ddp_status ddp_coll_chain_broadcast(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     const int n = g->size, pos = (g->rank - a->root + n) % n;
     const size_t bytes = a->count * ddp_dtype_size(a->dtype);
     if (n == 1) return DDP_OK;
+    ddp_status st = chain_need(g, pos, a->root, w);
+    if (st != DDP_OK) return st;
     ddp_link *up = pos > 0 ? g->links[chain_rank(pos - 1, a->root, n)] : NULL;
     ddp_link *down = pos < n - 1 ? g->links[chain_rank(pos + 1, a->root, n)] : NULL;
     char *buf = a->buf;
@@ -34,8 +43,8 @@ ddp_status ddp_coll_chain_broadcast(ddp_group *g, const ddp_coll_args *a, ddp_wa
         size_t sn = c > 0 ? (c == nch ? bytes - (c - 1) * chunk : chunk) : 0;
         size_t rn = c < nch ? (c == nch - 1 ? bytes - c * chunk : chunk) : 0;
         const char *sp = c > 0 ? buf + (c - 1) * chunk : buf;
-        ddp_status st = ddp_link_sendrecv(down, sp, sn, up, buf + c * chunk, rn, w);
-        if (st != DDP_OK) return st;
+        if ((st = ddp_link_sendrecv(down, sp, sn, up, buf + c * chunk, rn, w)) != DDP_OK)
+            return st;
     }
     return DDP_OK;
 }
@@ -53,11 +62,12 @@ ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait 
     const size_t ce = ddp_coll_chunk_elems(g, wes), nch = (a->count + ce - 1) / ce;
     const size_t cb = ddp_coll_align(ce * wes);
     if (n == 1) return DDP_OK; /* AVG over one rank is the identity */
+    ddp_status st = chain_need(g, pos, a->root, w);
+    if (st != DDP_OK) return st;
     ddp_link *up = pos > 0 ? g->links[chain_rank(pos - 1, a->root, n)] : NULL; /* to root */
     ddp_link *down = pos < n - 1 ? g->links[chain_rank(pos + 1, a->root, n)] : NULL;
     void *mem;
-    ddp_status st = ddp_coll_scratch(g, 3 * cb, &mem);
-    if (st != DDP_OK) return st;
+    if ((st = ddp_coll_scratch(g, 3 * cb, &mem)) != DDP_OK) return st;
     char *rtmp = mem, *part[2] = {(char *)mem + cb, (char *)mem + 2 * cb};
     char *buf = a->buf;
     /* The last rank of the chain sends native data straight from buf. */
@@ -92,6 +102,10 @@ ddp_status ddp_coll_chain_reduce(ddp_group *g, const ddp_coll_args *a, ddp_wait 
 static ddp_status direct(ddp_group *g, const ddp_coll_args *a, int to_root, ddp_wait w) {
     const int n = g->size, me = g->rank, root = a->root;
     const size_t b = a->count * ddp_dtype_size(a->dtype);
+    ddp_status st = DDP_OK;
+    for (int p = 0; p < n && st == DDP_OK; p++)   /* the root talks to all, the others to it */
+        if (me == root || p == root) st = ddp_group_need(g, p, w);
+    if (st != DDP_OK) return st;
     if (me != root)
         return to_root ? ddp_link_send(g->links[root], a->sendbuf, b, w)
                        : ddp_link_recv(g->links[root], a->recvbuf, b, w);
@@ -100,8 +114,7 @@ static ddp_status direct(ddp_group *g, const ddp_coll_args *a, int to_root, ddp_
     if (to_root && mine != a->sendbuf) memcpy(mine, a->sendbuf, b);
     if (!to_root && mine != a->recvbuf) memcpy(a->recvbuf, mine, b);
     void *mem;
-    ddp_status st = ddp_coll_scratch(g, (size_t)n * sizeof(ddp_xfer), &mem);
-    if (st != DDP_OK) return st;
+    if ((st = ddp_coll_scratch(g, (size_t)n * sizeof(ddp_xfer), &mem)) != DDP_OK) return st;
     ddp_xfer *ops = mem;
     int k = 0;
     for (int p = 0; p < n; p++) {
@@ -123,6 +136,8 @@ ddp_status ddp_coll_direct_scatter(ddp_group *g, const ddp_coll_args *a, ddp_wai
 
 ddp_status ddp_coll_p2p(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {
     const size_t b = a->count * ddp_dtype_size(a->dtype);
+    ddp_status st = ddp_group_need(g, a->root, w);
+    if (st != DDP_OK) return st;
     ddp_link *l = g->links[a->root];
     return a->kind == DDP_COLL_SEND ? ddp_link_send(l, a->buf, b, w)
                                     : ddp_link_recv(l, a->buf, b, w);

@@ -188,9 +188,19 @@ static ddp_status mismatch(int ra, const ddp_coll_hdr *a, int rb, const ddp_coll
  * reports the same first difference. Send/recv: the peer must have made the
  * matching call (recv from us for our send, and the other way round). */
 static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
-                                const ddp_coll_xchg *x, const ddp_coll_xres *r) {
+                                const ddp_coll_xchg *x, const ddp_coll_xres *r, int nbr) {
     ddp_coll_hdr first, h;
     ddp_status st;
+    if (nbr) {   /* the ring neighbours only: each against this rank's own */
+        const int n = g->size, me = g->rank;
+        for (int i = 0; i < 2; i++) {
+            const int p = (me + (i ? n - 1 : 1)) % n;
+            if ((st = hdr_read(r, p, mine, &h)) != DDP_OK) return st;
+            if (!same_call(mine, &h) || mine->path != h.path || mine->seq != h.seq)
+                return mismatch(me, mine, p, &h);
+        }
+        return DDP_OK;
+    }
     if (x->peer >= 0) {
         if ((st = hdr_read(r, x->peer, mine, &h)) != DDP_OK) return st;
         ddp_coll_hdr want = *mine;
@@ -210,6 +220,15 @@ static ddp_status check_headers(const ddp_group *g, const ddp_coll_hdr *mine,
         else if (!same_call(&first, &h) || first.path != h.path || first.seq != h.seq)
             return mismatch(0, &first, p, &h);
     }
+    return DDP_OK;
+}
+
+ddp_status ddp_coll_hdr_agree(const ddp_coll_hdr *mine, int p, const unsigned char *raw) {
+    ddp_coll_hdr h;
+    ddp_status st = ddp_coll_hdr_parse(raw, p, mine, &h);
+    if (st != DDP_OK) return st;
+    if (!same_call(mine, &h) || mine->path != h.path || mine->seq != h.seq)
+        return mismatch((int)mine->rank, mine, p, &h);
     return DDP_OK;
 }
 
@@ -267,9 +286,14 @@ ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll
         hdr_encode(h, stage);
         if (x->sbytes > 0) memcpy(stage + hb, x->sbase, x->sbytes);
     }
+    /* A large group checks headers with its ring neighbours only. */
+    const int nbr = x->peer < 0 && !x->mesh && n > DDP_COLL_MESH_MAX;
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
     int nops = 0;
     for (int p = 0; p < n; p++) {
         if (p == me || (x->peer >= 0 && p != x->peer)) continue;
+        if (nbr && p != next && p != prev) continue;
+        if ((st = ddp_group_need(g, p, w)) != DDP_OK) return st;
         unsigned char *msg = per_dest ? stage + (size_t)p * stage_len : stage;
         size_t sbytes = x->sto < 0 || x->sto == p ? x->sbytes : 0;
         size_t rbytes = x->rfrom < 0 || x->rfrom == p ? x->rbytes : 0;
@@ -286,7 +310,7 @@ ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll
 
     if ((st = ddp_link_xfer(ops, nops, w)) != DDP_OK)
         return st == DDP_ERR_CLOSED ? explain_failure(st, h, ops, nops, res, g) : st;
-    if ((st = check_headers(g, h, x, res)) != DDP_OK) return st;
+    if ((st = check_headers(g, h, x, res, nbr)) != DDP_OK) return st;
     for (int i = 0; i < nops; i++) ops[i].want = ops[i].len;
     return ddp_link_xfer(ops, nops, w);
 }

@@ -37,6 +37,7 @@ void ddp_comm_break(ddp_comm *c, const char *reason) {
     /* Under mu: destroy frees the links under the same lock. */
     for (int r = 0; c->links && r < c->size; r++)
         if (c->links[r]) ddp_link_shutdown(c->links[r]);
+    pthread_cond_broadcast(&c->link_cv);   /* threads waiting for a peer's connection */
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -60,9 +61,17 @@ const char *ddp_comm_transport(ddp_comm *c, int r) {
     ddp_comm *root = c->root;
     pthread_mutex_lock(&root->mu);
     ddp_link *l = root->links ? root->links[ddp_comm_world_rank(c, r)] : NULL;
-    const char *name = l ? l->ops->name : "closed";
+    const char *name = l ? l->ops->name : root->destroyed || !root->links ? "closed" : "none";
     pthread_mutex_unlock(&root->mu);
     return name;
+}
+
+int ddp_comm_links_made(ddp_comm *c) {
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    int n = root->nlinks;
+    pthread_mutex_unlock(&root->mu);
+    return n;
 }
 
 const char *ddp_comm_host_id(const ddp_comm *c, int r) {
@@ -76,7 +85,9 @@ const char *ddp_comm_host_id(const ddp_comm *c, int r) {
 static ddp_status group_init(ddp_comm *c, uint64_t tag) {
     c->group.rank = c->rank;
     c->group.size = c->size;
-    c->group.links = c->links;
+    c->group.links = c->members ? c->links : c->glinks;   /* made on first use */
+    c->group.connect = ddp_comm_connect;
+    c->group.connect_ctx = c;
     c->group.tag = tag;
     c->group.small_bytes = (size_t)ddp_setting_int("PYDDP_SMALL_BYTES");
     c->group.chunk_bytes = (size_t)ddp_setting_int("PYDDP_CHUNK_BYTES");
@@ -95,16 +106,20 @@ static ddp_status comm_alloc(const ddp_comm_config *cfg, ddp_comm **out) {
     c->size = cfg->size;
     c->timeout_ms = cfg->timeout_ms;
     c->root = c;
+    c->lfd = -1;
     atomic_init(&c->refs, 1);
     atomic_init(&c->queued, 0);
+    atomic_init(&c->acceptor_stop, 0);
     c->links = calloc((size_t)cfg->size, sizeof *c->links);
+    c->glinks = calloc((size_t)cfg->size, sizeof *c->glinks);
     c->lines = calloc((size_t)cfg->size, sizeof *c->lines);
     c->desc = calloc((size_t)cfg->size, sizeof *c->desc);
     c->host_ids = calloc((size_t)cfg->size, sizeof *c->host_ids);
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->link_cv, NULL);
     *out = c;
-    if (!c->links || !c->lines || !c->desc || !c->host_ids)
+    if (!c->links || !c->glinks || !c->lines || !c->desc || !c->host_ids)
         return ddp_error(DDP_ERR_NOMEM, "out of memory");
     return DDP_OK;
 }
@@ -119,6 +134,7 @@ ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store, ddp_com
     DDP_CHECK(comm_alloc(cfg, &c), fail);
     DDP_CHECK(ddp_comm_bootstrap(c, cfg, store), fail);
     DDP_CHECK(group_init(c, ddp_comm_hash(cfg->prefix)), fail);
+    DDP_CHECK(ddp_comm_links_start(c), fail);
     if (pthread_create(&c->worker, NULL, ddp_comm_worker_main, c) != 0) {
         st = ddp_error(DDP_ERR_SYS, "could not start the communication thread: %s", strerror(errno));
         goto fail;
@@ -157,10 +173,8 @@ ddp_status ddp_comm_subgroup(ddp_comm *parent, int n, const int *ranks, uint64_t
     }
     pthread_mutex_lock(&root->mu);
     int dead = root->stopping || parent->destroyed;
-    for (int i = 0; !dead && i < n; i++) {
+    for (int i = 0; !dead && i < n; i++)   /* links: made or fetched on first use */
         c->members[i] = ddp_comm_world_rank(parent, ranks[i]);
-        c->links[i] = i == me ? NULL : root->links[c->members[i]];
-    }
     pthread_mutex_unlock(&root->mu);
     if (dead) {
         free(c->members);
@@ -201,11 +215,15 @@ static void comm_free(ddp_comm *c) {
         ddp_comm_release(root);
         return;
     }
+    ddp_comm_links_stop(c);   /* the acceptor, if a failed create left it running */
     for (int r = 0; c->links && r < c->size; r++) ddp_link_free(c->links[r]);
     for (int r = 0; c->lines && r < c->size; r++) free(c->lines[r]);
     for (int r = 0; c->desc && r < c->size; r++) free(c->desc[r]);
     for (int r = 0; c->host_ids && r < c->size; r++) free(c->host_ids[r]);
     free(c->links);
+    free(c->glinks);
+    free(c->slot);
+    free(c->pend);
     free(c->lines);
     free(c->desc);
     free(c->host_ids);
@@ -213,6 +231,7 @@ static void comm_free(ddp_comm *c) {
     free(c->stall_prefix);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->link_cv);
     free(c);
 }
 
@@ -251,8 +270,10 @@ void ddp_comm_destroy(ddp_comm *c) {
         pthread_join(c->worker, NULL);
         c->has_worker = 0;
     }
-    /* Links go now (peers see the close); subgroups and works that still hold
-     * references only read the strings and fail their submissions. */
+    /* The data port closes (later dials are refused), then the links go
+     * (peers see the close); subgroups and works that still hold references
+     * only read the strings and fail their submissions. */
+    ddp_comm_links_stop(c);
     pthread_mutex_lock(&c->mu);
     c->stopping = 1;
     c->destroyed = 1;

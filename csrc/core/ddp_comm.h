@@ -3,10 +3,14 @@
  *
  * Creation (ddp_comm_create) is collective: every rank of the group calls it
  * with the same prefix and size. Each rank listens on a data port, publishes
- * {version, advertised host:port, host identity} under the prefix, checks
- * that every rank runs the same pyddp and wire version (DDP_ERR_VERSION
- * naming the ranks, hosts and versions otherwise), and connects to every
- * peer (lower ranks accept, higher ranks connect).
+ * {version, advertised host:port, host identity} under the prefix; rank 0
+ * checks that every rank runs the same pyddp and wire version
+ * (DDP_ERR_VERSION naming the ranks, hosts and versions otherwise, on every
+ * rank) and publishes one table of the members that every rank reads: O(N)
+ * store requests in all. No connection is made then: the link to a peer is
+ * made the first time a collective needs it (ddp_comm_link.c), so a rank
+ * connects only to the peers its algorithms talk to, and an unreachable peer
+ * is an error naming it at that first use, within the call's deadline.
  *
  * Threads: the caller's thread submits work; one worker thread per
  * communicator runs it in submission order, so all ranks see the same
@@ -44,7 +48,7 @@
 #include "ddp_pg.h"
 #include "ddp_store.h"
 
-#define DDP_WIRE_VERSION 3
+#define DDP_WIRE_VERSION 4
 
 typedef struct ddp_comm ddp_comm;
 typedef struct ddp_work ddp_work;
@@ -95,8 +99,13 @@ int ddp_comm_size(const ddp_comm *c);
 /* Human description of peer r, e.g. "rank 1 (10.0.0.2:40411)". */
 const char *ddp_comm_peer_desc(const ddp_comm *c, int r);
 /* The transport of the link to group rank r ("tcp", "shm"), "self" for this
- * rank, "closed" once the communicator was destroyed. */
+ * rank, "none" while no link to r was made (links are made on first use),
+ * "closed" once the communicator was destroyed. */
 const char *ddp_comm_transport(ddp_comm *c, int r);
+/* How many links c's communicator has made so far (to any peer, for any of
+ * its groups): links are made on first use, so this is the number of peers
+ * its collectives have talked to. */
+int ddp_comm_links_made(ddp_comm *c);
 /* Host identity string of rank r, as published at rendezvous. */
 const char *ddp_comm_host_id(const ddp_comm *c, int r);
 

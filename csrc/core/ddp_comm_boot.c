@@ -1,25 +1,24 @@
-/* ddp_comm_boot.c - a communicator's bootstrap: rendezvous through the
- * store, the version check, and the peer connections (contract in
- * ddp_comm.h; the work queue and worker are in ddp_comm.c).
+/* ddp_comm_boot.c - a communicator's rendezvous through the store: every
+ * rank's address, the version check, and the table every rank reads
+ * (contract in ddp_comm.h; the links are made later, on first use, by
+ * ddp_comm_link.c).
  *
  *   1. listen on a data port (ephemeral, or the first free one of a range);
+ *      it stays open for the communicator's life;
  *   2. publish "<prefix>/rank/<r>" = one text line of key=value fields
- *      (version, wire version, advertised host and port, host identity);
- *   3. read every rank's line; any version difference fails on every rank
- *      with the full list of ranks, hosts and versions;
- *   4. connect to every lower rank and accept from every higher rank; the
- *      first bytes on a connection are a hello (magic, wire version, group
- *      tag, rank, size, whether the sender has a token) so stray, stale or
- *      other-version connections are rejected; the acceptor answers, and
- *      with PYDDP_AUTH_TOKEN set both sides then prove they know the token
- *      (ddp_hello.h, ddp_auth.h) before the link is used;
- *   5. upgrade same-host pairs to shared memory where a transport for it is
- *      linked in (ddp_comm_shm.c decides), else keep TCP;
- *   6. with PYDDP_NSOCKS_PERPEER = n > 1 (the same on every rank: checked in
- *      step 3), give every pair still on TCP n-1 more connections, made and
- *      authenticated like the first (their hello carries the stream index),
- *      and stripe the pair's link over all n (ddp_link_tcp_add_streams).
- *      Same-host pairs that moved to shared memory never get extra ones.
+ *      (version, wire version, advertised host and port, host identity,
+ *      PYDDP_NSOCKS_PERPEER);
+ *   3. rank 0 reads every line, checks that every rank runs the same pyddp
+ *      and wire version and the same shared settings, and publishes
+ *      "<prefix>/table": the verdict and, when it is "ok", each rank's
+ *      address, port and host (hosts listed once);
+ *   4. every other rank reads that one record. A version difference, or a
+ *      rank that never came, fails every rank alike with rank 0's message.
+ *
+ * So the store serves 2 requests per rank plus rank 0's N reads: O(N), not
+ * the N x N of every rank reading every line. While ranks wait they look
+ * for authentication failures announced by others (auth_watch), so ranks
+ * with different PYDDP_AUTH_TOKENs fail within seconds.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -32,26 +31,10 @@
 #include "ddp_settings.h"
 #include "ddp_sock.h"
 
-#define HELLO_MAGIC DDP_HELLO_MAGIC
-#define HELLO_BYTES DDP_HELLO_BYTES
 #define AUTH_POLL_MS 2000   /* how often a waiting rank looks for auth failures */
-/* Once every pair has its first connection every rank is up and past its
- * slow steps, so the extra connections of step 6 follow within moments; one
- * that does not arrive fails the rendezvous after this long, not at its
- * timeout. */
-#define EXTRA_STREAMS_MS 60000
-typedef ddp_hello hello;
-
-/* The connections being made: n sockets per TCP pair; extra[p*(n-1) + k-1]
- * is the fd of stream k (1..n-1) to or from peer p, -1 until it is there. */
-typedef struct conns {
-    int n;
-    int *extra;
-} conns;
-
-static int *extra_fd(const conns *cn, int peer, int stream) {
-    return &cn->extra[(size_t)peer * (size_t)(cn->n - 1) + (size_t)(stream - 1)];
-}
+/* How much longer than rank 0 the others wait for the table, so that rank 0's
+ * own timeout message (naming the ranks that did not come) reaches them. */
+#define TABLE_GRACE_MS 5000
 
 /* Called while waiting at rendezvous: fails this rank when another rank
  * announced an authentication failure, or when this process rejected a
@@ -89,8 +72,7 @@ uint64_t ddp_comm_hash(const char *s) {
     return h;
 }
 
-/* Extract field `name` from a "k=v;k=v" line into out. 0 if found. */
-static int field(const char *line, const char *name, char *out, size_t outlen) {
+int ddp_comm_line_field(const char *line, const char *name, char *out, size_t outlen) {
     size_t nl = strlen(name);
     const char *p = line;
     while (p && *p) {
@@ -108,61 +90,23 @@ static int field(const char *line, const char *name, char *out, size_t outlen) {
     return -1;
 }
 
-/* Publish this rank's line and read everyone's into c->lines. */
-static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                                 int port, int nsocks, ddp_wait w, int64_t t0) {
-    char key[600], line[1200];
-    snprintf(line, sizeof line, "ver=%s;wire=%d;addr=%s;port=%d;host=%s;nsocks=%d",
-             cfg->version, DDP_WIRE_VERSION, cfg->advertise_host, port, cfg->host_id, nsocks);
-    snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, cfg->rank);
-    ddp_status st = ddp_store_set(store, key, strlen(key), line, strlen(line), w);
-    if (st != DDP_OK) return ddp_error_prefix(st, "rank %d publishing its address: ", c->rank);
-    for (int r = 0; r < c->size; r++) {
-        void *val = NULL;
-        size_t vlen = 0;
-        snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, r);
-        for (;;) {   /* in slices, watching for authentication failures */
-            st = ddp_store_get(store, key, strlen(key), &val, &vlen, poll_slice(w));
-            if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w)) break;
-            char what[64];
-            snprintf(what, sizeof what, "rank %d's address", r);
-            if ((st = auth_watch(c, cfg, store, t0, what, w)) != DDP_OK) return st;
-        }
-        if (st != DDP_OK) {
-            if (st == DDP_ERR_TIMEOUT)
-                return ddp_error(st, "rank %d: rank %d did not join the process group within "
-                                 "%.1f s (waiting for store key %s on %s). Check that all %d "
-                                 "ranks were started with the same WORLD_SIZE and store "
-                                 "address.", c->rank, r, cfg->timeout_ms / 1000.0, key,
-                                 ddp_store_peer(store), c->size);
-            return ddp_error_prefix(st, "rank %d reading rank %d's address: ", c->rank, r);
-        }
-        c->lines[r] = malloc(vlen + 1);
-        if (c->lines[r] == NULL) { free(val); return ddp_error(DDP_ERR_NOMEM, "out of memory"); }
-        memcpy(c->lines[r], val, vlen);
-        c->lines[r][vlen] = '\0';
-        free(val);
-    }
-    return DDP_OK;
-}
-
 /* Every rank compares every rank's version with its own; all fail alike. */
 static ddp_status check_versions(ddp_comm *c) {
     char v0[128], w0[32], vr[128], wr[32], h[256], list[2048] = "";
-    field(c->lines[0], "ver", v0, sizeof v0);
-    field(c->lines[0], "wire", w0, sizeof w0);
+    ddp_comm_line_field(c->lines[0], "ver", v0, sizeof v0);
+    ddp_comm_line_field(c->lines[0], "wire", w0, sizeof w0);
     int bad = 0;
     for (int r = 0; r < c->size; r++) {
-        field(c->lines[r], "ver", vr, sizeof vr);
-        field(c->lines[r], "wire", wr, sizeof wr);
+        ddp_comm_line_field(c->lines[r], "ver", vr, sizeof vr);
+        ddp_comm_line_field(c->lines[r], "wire", wr, sizeof wr);
         if (strcmp(vr, v0) != 0 || strcmp(wr, w0) != 0) bad = 1;
     }
     if (!bad) return DDP_OK;
     size_t used = 0;
     for (int r = 0; r < c->size && used < sizeof list - 200; r++) {
-        field(c->lines[r], "ver", vr, sizeof vr);
-        field(c->lines[r], "wire", wr, sizeof wr);
-        field(c->lines[r], "addr", h, sizeof h);
+        ddp_comm_line_field(c->lines[r], "ver", vr, sizeof vr);
+        ddp_comm_line_field(c->lines[r], "wire", wr, sizeof wr);
+        ddp_comm_line_field(c->lines[r], "addr", h, sizeof h);
         used += (size_t)snprintf(list + used, sizeof list - used, "%srank %d on %s: pyddp %s "
                                  "(wire %s)", r ? "; " : "", r, h, vr, wr);
     }
@@ -175,11 +119,11 @@ static ddp_status check_versions(ddp_comm *c) {
  * compares every rank with rank 0, so all fail alike, naming both values. */
 static ddp_status check_settings(ddp_comm *c) {
     char v[32], h[256];
-    int n0 = field(c->lines[0], "nsocks", v, sizeof v) == 0 ? atoi(v) : 1;
+    int n0 = ddp_comm_line_field(c->lines[0], "nsocks", v, sizeof v) == 0 ? atoi(v) : 1;
     for (int r = 1; r < c->size; r++) {
-        int nr = field(c->lines[r], "nsocks", v, sizeof v) == 0 ? atoi(v) : 1;
+        int nr = ddp_comm_line_field(c->lines[r], "nsocks", v, sizeof v) == 0 ? atoi(v) : 1;
         if (nr == n0) continue;
-        field(c->lines[r], "addr", h, sizeof h);
+        ddp_comm_line_field(c->lines[r], "addr", h, sizeof h);
         return ddp_error(DDP_ERR_INVALID, "ranks disagree on PYDDP_NSOCKS_PERPEER: rank 0 "
                          "has %d and rank %d (on %s) has %d. Set the same value on every "
                          "rank (or leave it unset everywhere).", n0, r, h, nr);
@@ -187,254 +131,214 @@ static ddp_status check_settings(ddp_comm *c) {
     return DDP_OK;
 }
 
-/* What accept_peers still waits for: the first connection of every higher
- * rank (extras == 0), or the extra ones of every higher rank still on TCP.
- * The first missing one is described in what. */
-static int missing(const ddp_comm *c, const conns *cn, int extras, char *what, size_t len) {
-    int need = 0;
-    for (int p = c->rank + 1; p < c->size; p++) {
-        if (!extras) {
-            if (c->links[p] == NULL && need++ == 0)
-                snprintf(what, len, "rank %d's connection", p);
-            continue;
-        }
-        if (ddp_link_tcp_streams(c->links[p]) == 0) continue;
-        for (int k = 1; k < cn->n; k++)
-            if (*extra_fd(cn, p, k) < 0 && need++ == 0)
-                snprintf(what, len, "rank %d's data connection %d of %d "
-                         "(PYDDP_NSOCKS_PERPEER=%d)", p, k + 1, cn->n, cn->n);
-    }
-    return need;
-}
 
-/* Keep an authenticated connection of rank h->rank's stream h->stream: the
- * first becomes the pair's link, an extra one waits for step 6. An extra one
- * that has no place is a clear error, never dropped silently (only a rank
- * that passed the hello can send one). */
-static ddp_status place(ddp_comm *c, conns *cn, const hello *h, int fd, int extras) {
-    int p = h->rank;
-    if (h->stream == 0) {
-        c->links[p] = ddp_link_tcp_new(fd, p, c->desc[p]);
-        return c->links[p] ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "out of memory");
+/* Wait for key (slices of AUTH_POLL_MS, watching for authentication
+ * failures) and return its value NUL-terminated in *val (caller frees).
+ * DDP_ERR_TIMEOUT with no message when w expires. */
+static ddp_status wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                           const char *key, const char *what, ddp_wait w, int64_t t0,
+                           char **val) {
+    void *v = NULL;
+    size_t vlen = 0;
+    ddp_status st;
+    for (;;) {
+        st = ddp_store_get(store, key, strlen(key), &v, &vlen, poll_slice(w));
+        if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w)) break;
+        if ((st = auth_watch(c, cfg, store, t0, what, w)) != DDP_OK) return st;
     }
-    char why[160] = "";
-    if (h->stream >= (uint32_t)cn->n)
-        snprintf(why, sizeof why, "its data connection %u, but this rank makes %d per pair",
-                 (unsigned)h->stream + 1, cn->n);
-    else if (c->links[p] == NULL)
-        snprintf(why, sizeof why, "extra data connection %u before its first one",
-                 (unsigned)h->stream + 1);
-    else if (extras && ddp_link_tcp_streams(c->links[p]) == 0)
-        snprintf(why, sizeof why, "extra data connection %u, but the pair uses shared "
-                 "memory", (unsigned)h->stream + 1);
-    else if (*extra_fd(cn, p, (int)h->stream) >= 0)
-        snprintf(why, sizeof why, "data connection %u twice", (unsigned)h->stream + 1);
-    if (why[0]) {
-        close(fd);
-        return ddp_error(DDP_ERR_PROTOCOL, "rank %d: rank %d opened %s (PYDDP_NSOCKS_PERPEER"
-                         "=%d here). Do all ranks run the same pyddp with the same setting?",
-                         c->rank, p, why, cn->n);
+    if (st != DDP_OK) return st;
+    *val = malloc(vlen + 1);
+    if (*val == NULL) {
+        free(v);
+        return ddp_error(DDP_ERR_NOMEM, "out of memory");
     }
-    *extra_fd(cn, p, (int)h->stream) = fd;
+    memcpy(*val, v, vlen);
+    (*val)[vlen] = '\0';
+    free(v);
     return DDP_OK;
 }
 
-/* Accept connections until `missing` has nothing left, by w: the first ones
- * of the higher ranks (extras == 0; extra ones arriving meanwhile are kept
- * too) or their extra ones (extras == 1). */
-static ddp_status accept_peers(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                               int lfd, uint64_t tag, const ddp_auth *auth, conns *cn,
-                               int extras, ddp_wait w, int64_t t0) {
-    char what[160];
-    int need;
-    while ((need = missing(c, cn, extras, what, sizeof what)) > 0) {
-        int fd = -1;
-        ddp_status st = ddp_sock_accept(lfd, poll_slice(w), &fd);
-        if (st == DDP_ERR_TIMEOUT && !ddp_wait_expired(w)) {
-            char waiting[200];
-            snprintf(waiting, sizeof waiting, "%s (and %d more)", what, need - 1);
-            if ((st = auth_watch(c, cfg, store, t0, need > 1 ? waiting : what, w)) != DDP_OK)
-                return st;
-            continue;
-        }
-        if (st != DDP_OK)
-            return ddp_error_prefix(st, "rank %d waiting for %s%s: ", c->rank, what,
-                                    need > 1 ? " and more" : "");
-        /* A peer sends its hello right after connecting; a connection that stays
-         * silent (a port scanner, a health check) is dropped after a few seconds
-         * rather than holding up the rendezvous until its deadline. */
-        unsigned char raw[HELLO_BYTES];
-        hello h;
-        ddp_wait hw = ddp_wait_for(5000, w.abort);
-        if (hw.deadline_ms > w.deadline_ms) hw.deadline_ms = w.deadline_ms;
-        /* The first 24 bytes are laid out alike in every wire version, so an
-         * older peer's hello is still recognised and named below. */
-        memset(raw, 0, sizeof raw);
-        st = ddp_sock_recv_all(fd, raw, 24, hw, "a connecting peer");
-        ddp_hello_decode(raw, &h);
-        if (st == DDP_OK && h.magic == HELLO_MAGIC && h.wire == DDP_WIRE_VERSION) {
-            st = ddp_sock_recv_all(fd, raw + 24, sizeof raw - 24, hw, "a connecting peer");
-            ddp_hello_decode(raw, &h);
-        }
-        if (st == DDP_OK && h.magic == HELLO_MAGIC && h.tag == tag && h.wire != DDP_WIRE_VERSION) {
-            /* One of ours, but speaking another wire version: the version check
-             * through the store normally catches this first; say it plainly. */
-            close(fd);
-            return ddp_error(DDP_ERR_VERSION, "rank %d: rank %d connected with pyddp wire "
-                             "version %u, this rank speaks %d. Install the same pyddp version "
-                             "on every node.", c->rank, (int)h.rank, (unsigned)h.wire,
-                             DDP_WIRE_VERSION);
-        }
-        if (st != DDP_OK || h.magic != HELLO_MAGIC || h.tag != tag || h.rank <= c->rank ||
-            h.rank >= c->size || h.size != c->size ||
-            (h.stream == 0 && c->links[h.rank] != NULL)) {
-            close(fd);  /* a stray, stale or silent connection: not ours, ignore it */
-            if (st == DDP_ERR_ABORTED || (st == DDP_ERR_TIMEOUT && ddp_wait_expired(w)))
-                return st;
-            continue;
-        }
-        /* Nothing but the handshake is read from it until it passes. */
-        char addr[DDP_ADDR_MAX + 16], purpose[160];
-        ddp_auth_peer_name(fd, addr, sizeof addr);
-        ddp_hello_purpose(tag, h.rank, c->rank, c->size, (int)h.stream, purpose, sizeof purpose);
-        st = ddp_hello_accept(fd, &h, auth, purpose, hw, addr);
-        if (st != DDP_OK) {
-            close(fd);   /* dropped (and logged); auth_watch fails the job if need be */
-            if (st == DDP_ERR_ABORTED) return st;
-            continue;
-        }
-        if ((st = place(c, cn, &h, fd, extras)) != DDP_OK) return st;
+/* A growing text buffer for the table. */
+typedef struct text {
+    char *p;
+    size_t len, cap;
+} text;
+
+static int text_add(text *t, const char *s) {
+    size_t n = strlen(s);
+    if (t->len + n + 1 > t->cap) {
+        size_t cap = (t->cap ? t->cap * 2 : 4096) + n;
+        char *p = realloc(t->p, cap);
+        if (p == NULL) return -1;
+        t->p = p;
+        t->cap = cap;
     }
-    return DDP_OK;
+    memcpy(t->p + t->len, s, n + 1);
+    t->len += n;
+    return 0;
 }
 
-/* Connect stream `stream` to lower rank r and pass the hello: *fd_out. */
-static ddp_status connect_one(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                              uint64_t tag, const ddp_auth *auth, int r, int stream,
-                              ddp_wait w, int *fd_out) {
-    char addr[DDP_ADDR_MAX], port[32], purpose[160];
-    field(c->lines[r], "addr", addr, sizeof addr);
-    field(c->lines[r], "port", port, sizeof port);
-    int fd = -1;
-    ddp_status st = ddp_sock_connect(addr, atoi(port), w, &fd);
-    if (st == DDP_OK) {
-        hello h = {HELLO_MAGIC, DDP_WIRE_VERSION, tag, c->rank, c->size,
-                   auth ? DDP_HELLO_HAS_TOKEN : 0u, (uint32_t)stream};
-        unsigned char raw[HELLO_BYTES];
-        ddp_hello_encode(&h, raw);
-        ddp_hello_purpose(tag, c->rank, r, c->size, stream, purpose, sizeof purpose);
-        st = ddp_sock_send_all(fd, raw, sizeof raw, w, c->desc[r]);
-        if (st == DDP_OK) st = ddp_hello_connect(fd, auth, purpose, w, c->desc[r]);
-        if (st != DDP_OK) close(fd);
+/* Rank 0: the table of every rank's line (already in c->lines), hosts once:
+ * "ok <n> <nhosts>\n", nhosts host lines, then "<addr> <port> <host#>\n" per
+ * rank. */
+static ddp_status make_table(ddp_comm *c, text *t) {
+    int *hidx = malloc((size_t)c->size * sizeof *hidx), nh = 0;
+    char **hosts = malloc((size_t)c->size * sizeof *hosts);
+    char addr[DDP_ADDR_MAX], port[32], buf[DDP_ADDR_MAX + 64];
+    int bad = hidx == NULL || hosts == NULL;
+    for (int r = 0; !bad && r < c->size; r++) {
+        char host[512];
+        ddp_comm_line_field(c->lines[r], "host", host, sizeof host);
+        for (hidx[r] = 0; hidx[r] < nh && strcmp(hosts[hidx[r]], host) != 0; hidx[r]++) {}
+        if (hidx[r] == nh && (hosts[nh++] = strdup(host)) == NULL) bad = 1;
     }
-    if (st != DDP_OK) {
-        if (stream == 0) ddp_error_prefix(st, "rank %d connecting to rank %d: ", c->rank, r);
-        else ddp_error_prefix(st, "rank %d opening its data connection %d to rank %d: ",
-                              c->rank, stream + 1, r);
-        if (st == DDP_ERR_AUTH) ddp_auth_announce(store, cfg->prefix, ddp_last_error());
+    if (!bad) {
+        snprintf(buf, sizeof buf, "ok %d %d\n", c->size, nh);
+        bad = text_add(t, buf) != 0;
+    }
+    for (int k = 0; !bad && k < nh; k++) bad = text_add(t, hosts[k]) || text_add(t, "\n");
+    for (int r = 0; !bad && r < c->size; r++) {
+        ddp_comm_line_field(c->lines[r], "addr", addr, sizeof addr);
+        ddp_comm_line_field(c->lines[r], "port", port, sizeof port);
+        snprintf(buf, sizeof buf, "%s %s %d\n", addr, port, hidx[r]);
+        bad = text_add(t, buf) != 0;
+    }
+    for (int k = 0; hosts && k < nh; k++) free(hosts[k]);
+    free(hosts);
+    free(hidx);
+    return bad ? ddp_error(DDP_ERR_NOMEM, "out of memory") : DDP_OK;
+}
+
+/* Any rank but 0: fill c->lines ("addr=..;port=..;host=..") from rank 0's
+ * table, or fail with rank 0's verdict. */
+static ddp_status read_table(ddp_comm *c, char *tab) {
+    int n = 0, nh = 0, status = 0, used = 0;
+    if (sscanf(tab, "error %d%n", &status, &used) == 1) {
+        const char *msg = tab + used + (tab[used] == '\n');
+        return ddp_error(status > 0 ? (ddp_status)status : DDP_ERR_PROTOCOL, "%s", msg);
+    }
+    if (sscanf(tab, "ok %d %d", &n, &nh) != 2 || n != c->size || nh < 1 || nh > n)
+        return ddp_error(DDP_ERR_PROTOCOL, "rank %d: rank 0 published a member table for %d "
+                         "ranks, but this rank was started with WORLD_SIZE=%d: start every "
+                         "rank with the same WORLD_SIZE", c->rank, n, c->size);
+    char **hosts = calloc((size_t)nh, sizeof *hosts), *save = NULL;
+    char *line = strtok_r(tab, "\n", &save);
+    ddp_status st = hosts ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "out of memory");
+    for (int k = 0; st == DDP_OK && k < nh; k++) {
+        hosts[k] = strtok_r(NULL, "\n", &save);
+        if (hosts[k] == NULL) st = ddp_error(DDP_ERR_PROTOCOL, "truncated member table");
+    }
+    for (int r = 0; st == DDP_OK && r < n; r++) {
+        char addr[DDP_ADDR_MAX];
+        int port = 0, h = -1;
+        line = strtok_r(NULL, "\n", &save);
+        if (!line || sscanf(line, "%255s %d %d", addr, &port, &h) != 3 || h < 0 || h >= nh) {
+            st = ddp_error(DDP_ERR_PROTOCOL, "malformed member table (rank %d's entry)", r);
+            break;
+        }
+        size_t len = strlen(addr) + strlen(hosts[h]) + 48;
+        if ((c->lines[r] = malloc(len)) == NULL) st = ddp_error(DDP_ERR_NOMEM, "out of memory");
+        else snprintf(c->lines[r], len, "addr=%s;port=%d;host=%s", addr, port, hosts[h]);
+    }
+    free(hosts);
+    return st;
+}
+
+/* Steps 2-4: publish this rank's line; rank 0 gathers, checks and publishes
+ * the table; the others read it. c->lines is filled on every rank. */
+static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                                 int port, int nsocks, ddp_wait w, int64_t t0) {
+    char key[600], line[1200], what[64];
+    snprintf(line, sizeof line, "ver=%s;wire=%d;addr=%s;port=%d;host=%s;nsocks=%d",
+             cfg->version, DDP_WIRE_VERSION, cfg->advertise_host, port, cfg->host_id, nsocks);
+    snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, cfg->rank);
+    ddp_status st = ddp_store_set(store, key, strlen(key), line, strlen(line), w);
+    if (st != DDP_OK) return ddp_error_prefix(st, "rank %d publishing its address: ", c->rank);
+    char tkey[600];
+    snprintf(tkey, sizeof tkey, "%s/table", cfg->prefix);
+    if (c->rank != 0) {
+        char *tab = NULL;
+        ddp_wait tw = w;
+        if (tw.deadline_ms < DDP_NO_DEADLINE - TABLE_GRACE_MS) tw.deadline_ms += TABLE_GRACE_MS;
+        st = wait_get(c, cfg, store, tkey, "rank 0's member table", tw, t0, &tab);
+        if (st == DDP_ERR_TIMEOUT)
+            return ddp_error(st, "rank %d: rank 0 did not publish the process group's members "
+                             "within %.1f s (store key %s on %s). Check that rank 0 runs and "
+                             "that all %d ranks were started with the same WORLD_SIZE and "
+                             "store address.", c->rank, cfg->timeout_ms / 1000.0, tkey,
+                             ddp_store_peer(store), c->size);
+        if (st != DDP_OK) return ddp_error_prefix(st, "rank %d reading the members: ", c->rank);
+        st = read_table(c, tab);
+        free(tab);
         return st;
     }
-    *fd_out = fd;
-    return DDP_OK;
+    for (int r = 0; r < c->size && st == DDP_OK; r++) {
+        snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, r);
+        snprintf(what, sizeof what, "rank %d's address", r);
+        st = wait_get(c, cfg, store, key, what, w, t0, &c->lines[r]);
+        if (st == DDP_ERR_TIMEOUT)
+            st = ddp_error(st, "rank %d: rank %d did not join the process group within %.1f s "
+                           "(waiting for store key %s on %s). Check that all %d ranks were "
+                           "started with the same WORLD_SIZE and store address.", c->rank, r,
+                           cfg->timeout_ms / 1000.0, key, ddp_store_peer(store), c->size);
+        else if (st != DDP_OK)
+            ddp_error_prefix(st, "rank %d reading rank %d's address: ", c->rank, r);
+    }
+    if (st == DDP_OK) st = check_versions(c);
+    if (st == DDP_OK) st = check_settings(c);
+    text t = {0};
+    if (st == DDP_OK) st = make_table(c, &t);
+    if (st != DDP_OK) {   /* every rank fails with this message */
+        char msg[1600];
+        snprintf(msg, sizeof msg, "error %d\n%s", (int)st, ddp_last_error());
+        free(t.p);
+        t.p = strdup(msg);
+        if (t.p) t.len = strlen(t.p);
+    }
+    if (t.p) {
+        char saved[1400];
+        ddp_copy_error(saved, sizeof saved);
+        ddp_wait sw = st == DDP_OK ? w : ddp_wait_for(2000, cfg->abort);
+        ddp_status ps = ddp_store_set(store, tkey, strlen(tkey), t.p, t.len, sw);
+        if (st == DDP_OK && ps != DDP_OK)
+            st = ddp_error_prefix(ps, "rank 0 publishing the members: ");
+        else if (st != DDP_OK)
+            ddp_set_error_text(saved);
+    }
+    free(t.p);
+    return st;
 }
 
-/* The first connection to every lower rank. */
-static ddp_status connect_peers(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                                uint64_t tag, const ddp_auth *auth, ddp_wait w) {
-    for (int r = 0; r < c->rank; r++) {
-        int fd = -1;
-        ddp_status st = connect_one(c, cfg, store, tag, auth, r, 0, w, &fd);
-        if (st != DDP_OK) return st;
-        c->links[r] = ddp_link_tcp_new(fd, r, c->desc[r]);
-        if (c->links[r] == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");  /* fd closed */
-    }
-    return DDP_OK;
-}
-
-/* Step 6: the extra connections of every pair still on TCP (to lower ranks
- * first, then from higher ones, as in step 4), then stripe each such link
- * over its n sockets. Extra connections kept for a pair that moved to
- * shared memory are an error. */
-static ddp_status add_streams(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                              int lfd, uint64_t tag, const ddp_auth *auth, conns *cn,
-                              ddp_wait w, int64_t t0) {
-    ddp_wait xw = ddp_wait_for(EXTRA_STREAMS_MS, w.abort);
-    if (xw.deadline_ms > w.deadline_ms) xw.deadline_ms = w.deadline_ms;
-    for (int p = 0; p < c->size; p++) {
-        int tcp = ddp_link_tcp_streams(c->links[p]) > 0;
-        for (int k = 1; k < cn->n; k++) {
-            if (*extra_fd(cn, p, k) >= 0 && !tcp)
-                return ddp_error(DDP_ERR_PROTOCOL, "rank %d: rank %d opened extra data "
-                                 "connection %d, but the pair uses shared memory", c->rank,
-                                 p, k + 1);
-            if (p < c->rank && tcp) {
-                ddp_status st = connect_one(c, cfg, store, tag, auth, p, k, xw,
-                                            extra_fd(cn, p, k));
-                if (st != DDP_OK) return st;
-            }
-        }
-    }
-    ddp_status st = accept_peers(c, cfg, store, lfd, tag, auth, cn, 1, xw, t0);
-    if (st != DDP_OK) return st;
-    for (int p = 0; p < c->size; p++) {
-        if (ddp_link_tcp_streams(c->links[p]) == 0) continue;
-        st = ddp_link_tcp_add_streams(c->links[p], extra_fd(cn, p, 1), cn->n - 1);
-        for (int k = 1; k < cn->n; k++) *extra_fd(cn, p, k) = -1;   /* the link's now */
-        if (st != DDP_OK) return st;
-    }
-    return DDP_OK;
-}
-
-/* Steps 1-6 above on a root allocated by ddp_comm.c (rank, size, timeout
- * and the per-rank arrays set). Leaves what it made in c for the caller to
- * free on failure. */
+/* Steps 1-4 on a root allocated by ddp_comm.c (rank, size, timeout and the
+ * per-rank arrays set). Leaves what it made in c (lfd included) for the
+ * caller to free on failure. */
 ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store) {
     ddp_status st;
-    int lfd = -1, port = 0;
+    int port = 0;
     ddp_wait w = ddp_wait_for(cfg->timeout_ms, cfg->abort);
     /* Rejections noted a little before this rendezvous count too: a rank with
      * another token may have been turned away by this process's store server
      * before rendezvous began. */
     int64_t t0 = ddp_now_ms() - 30000;
-    const ddp_auth *auth = NULL;
-    conns cn = {(int)ddp_setting_int("PYDDP_NSOCKS_PERPEER"), NULL}; /* bounded to 1..16 */
-    st = ddp_auth_get(&auth);   /* a bad token file or no libcrypto fails here */
+    c->nsocks = (int)ddp_setting_int("PYDDP_NSOCKS_PERPEER"); /* bounded to 1..16 */
+    c->link_tag = ddp_comm_hash(cfg->prefix);
+    st = ddp_auth_get(&c->auth);   /* a bad token file or no libcrypto fails here */
     if (st != DDP_OK) return ddp_error_prefix(st, "rank %d: ", c->rank);
-    if (cn.n > 1) {
-        cn.extra = malloc((size_t)c->size * (size_t)(cn.n - 1) * sizeof *cn.extra);
-        if (cn.extra == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
-        for (size_t i = 0; i < (size_t)c->size * (size_t)(cn.n - 1); i++) cn.extra[i] = -1;
-    }
     if (cfg->size > 1) {
-        st = ddp_sock_listen(cfg->bind_host, 0, cfg->port_lo, cfg->port_hi, &lfd, &port);
-        if (st != DDP_OK) {
-            ddp_error_prefix(st, "rank %d opening its data port: ", c->rank);
-            goto fail;
-        }
+        st = ddp_sock_listen(cfg->bind_host, 0, cfg->port_lo, cfg->port_hi, &c->lfd, &port);
+        if (st != DDP_OK) return ddp_error_prefix(st, "rank %d opening its data port: ", c->rank);
     }
-    DDP_CHECK(exchange_lines(c, cfg, store, port, cn.n, w, t0), fail);
-    DDP_CHECK(check_versions(c), fail);
-    DDP_CHECK(check_settings(c), fail);
+    if ((st = exchange_lines(c, cfg, store, port, c->nsocks, w, t0)) != DDP_OK) return st;
     for (int r = 0; r < c->size; r++) {
         char addr[DDP_ADDR_MAX], p[32], hp[DDP_ADDR_MAX + 40], host[512];
-        field(c->lines[r], "addr", addr, sizeof addr);
-        field(c->lines[r], "port", p, sizeof p);
-        field(c->lines[r], "host", host, sizeof host);
+        ddp_comm_line_field(c->lines[r], "addr", addr, sizeof addr);
+        ddp_comm_line_field(c->lines[r], "port", p, sizeof p);
+        ddp_comm_line_field(c->lines[r], "host", host, sizeof host);
         ddp_sock_format_hostport(addr, atoi(p), hp, sizeof hp);
         c->desc[r] = malloc(strlen(hp) + 32);
         c->host_ids[r] = strdup(host);
-        if (!c->desc[r] || !c->host_ids[r]) { st = ddp_error(DDP_ERR_NOMEM, "out of memory"); goto fail; }
+        if (!c->desc[r] || !c->host_ids[r]) return ddp_error(DDP_ERR_NOMEM, "out of memory");
         sprintf(c->desc[r], "rank %d (%s)", r, hp);
     }
-    uint64_t tag = ddp_comm_hash(cfg->prefix);
-    DDP_CHECK(connect_peers(c, cfg, store, tag, auth, w), fail);
-    DDP_CHECK(accept_peers(c, cfg, store, lfd, tag, auth, &cn, 0, w, t0), fail);
-    DDP_CHECK(ddp_comm_upgrade_links(c, w), fail);
-    if (cn.n > 1) DDP_CHECK(add_streams(c, cfg, store, lfd, tag, auth, &cn, w, t0), fail);
-fail:
-    if (lfd >= 0) close(lfd);
-    for (size_t i = 0; cn.extra && i < (size_t)c->size * (size_t)(cn.n - 1); i++)
-        if (cn.extra[i] >= 0) close(cn.extra[i]);
-    free(cn.extra);
-    return st;
+    return DDP_OK;
 }

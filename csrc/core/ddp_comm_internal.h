@@ -5,13 +5,21 @@
  * communicator includes it.
  *
  * Who owns what: a communicator made by ddp_comm_create (a "root") owns the
- * links, the rendezvous strings and the engine (queue, worker, broken state).
+ * links, the rendezvous strings, the data port with its acceptor thread and
+ * the engine (queue, worker, broken state).
  * A subgroup owns only its rank map, its borrowed-link array and its group
  * state; it holds a reference on its root and uses the root's engine. Only
  * the thread that runs a collective (the worker, or a caller running a small
  * one inline while the engine is idle; `running` says one does) touches
- * links and group state (seq, scratch); `mu` of the root guards the queue,
- * running, stopping, broken and the freeing of links.
+ * group state (seq, scratch, the group's link cache); `mu` of the root
+ * guards the queue, running, stopping, broken, the root's link table
+ * (links, slot) and the freeing of links.
+ *
+ * Links are made on first use (ddp_comm_link.c): the root's `links` is the
+ * table of made links, written under mu by whichever thread made one (the
+ * thread running a collective, or the acceptor); each group reads its own
+ * cache of it (group.links: glinks for a root, the subgroup's array for a
+ * subgroup), filled by ddp_group_need through the connect hook.
  */
 #ifndef DDP_COMM_INTERNAL_H
 #define DDP_COMM_INTERNAL_H
@@ -24,8 +32,9 @@
 struct ddp_comm {
     int rank, size;        /* in this group */
     int64_t timeout_ms;
-    ddp_link **links;      /* [size]; links[rank] == NULL. Owned by a root,
-                            * borrowed from the root by a subgroup */
+    ddp_link **links;      /* root: [size] the links made so far (mu), owned;
+                            * subgroup: [size] its cache of the root's links */
+    ddp_link **glinks;     /* root: [size] the root group's cache of links (group.links) */
     char **lines;          /* [size] rendezvous lines (root only) */
     char **desc;           /* [size] "rank r (host:port)" (root owns; subgroup borrows) */
     char **host_ids;       /* [size] host identities (root owns; subgroup borrows) */
@@ -61,11 +70,37 @@ struct ddp_comm {
     ddp_flight flight;     /* the last collectives of every group (mu) */
     ddp_store *stall_store; /* where a timeout is announced (ddp_comm_set_stall_store) */
     char *stall_prefix;
+
+    /* Links on first use (ddp_comm_link.c); root only. */
+    int lfd;               /* the data port, listening for the communicator's life, or -1 */
+    int nsocks;            /* sockets per TCP pair (PYDDP_NSOCKS_PERPEER, the same everywhere) */
+    uint64_t link_tag;     /* the group tag every hello carries */
+    const struct ddp_auth *auth;  /* PYDDP_AUTH_TOKEN, or NULL */
+    unsigned char *slot;   /* [size] DDP_SLOT_* of each peer (mu) */
+    struct ddp_pend **pend;/* [size] connections the acceptor is still completing (its own) */
+    char slot_err[700];    /* why the acceptor last failed a peer's connection (mu) */
+    ddp_status slot_st;    /* and its status */
+    pthread_cond_t link_cv;/* signalled under mu when a slot changes or the comm breaks */
+    pthread_t acceptor;
+    int has_acceptor;
+    atomic_int acceptor_stop;
+    int nlinks;            /* links made so far (mu) */
+    int wire_warned;       /* the acceptor said it turned away another wire version */
 };
 
-/* Rendezvous and connect (ddp_comm_boot.c): fills rank, size, links, lines,
- * desc and host_ids of a freshly allocated root c. On failure the caller
- * frees c. */
+/* What a root knows of its link to one peer (slot[], under mu). */
+enum {
+    DDP_SLOT_NONE = 0,     /* no link and nobody making one */
+    DDP_SLOT_DIALING,      /* a thread of this rank is connecting to the peer */
+    DDP_SLOT_WAITING,      /* the peer is connecting to this rank (its dial wins): wait */
+    DDP_SLOT_INCOMING,     /* the acceptor is completing the peer's connection */
+    DDP_SLOT_READY,        /* links[peer] is the link */
+    DDP_SLOT_FAILED        /* the acceptor failed the peer's connection (slot_err) */
+};
+
+/* Rendezvous (ddp_comm_boot.c): opens the data port (lfd) and fills lines,
+ * desc and host_ids of a freshly allocated root c; makes no link. On
+ * failure the caller frees c. */
 ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store);
 
 /* Mark c's communicator broken (the first reason wins), set its abort flag
@@ -77,12 +112,30 @@ void ddp_comm_break(ddp_comm *c, const char *reason);
  * work in order until the root is stopping and the queue is empty. */
 void *ddp_comm_worker_main(void *arg);
 
+/* Field `name` of a "k=v;k=v" rendezvous line into out (ddp_comm_boot.c):
+ * 0 if found, else -1 and out = "". */
+int ddp_comm_line_field(const char *line, const char *name, char *out, size_t outlen);
+
 /* FNV-1a hash of a string (group tags). */
 uint64_t ddp_comm_hash(const char *s);
 
-/* Replace TCP links to same-host peers by faster transports where one is
- * available and not disabled (PYDDP_SHM_DISABLE=1). Collective over the
- * existing links; on failure the caller destroys the communicator. */
-ddp_status ddp_comm_upgrade_links(ddp_comm *c, ddp_wait w);
+/* Whether root c's rank r shares this rank's host (same host identity). */
+int ddp_comm_same_host(const ddp_comm *c, int r);
+
+/* Upgrade a new TCP link *l to same-host peer p to shared memory where it
+ * is available and not disabled (PYDDP_SHM_DISABLE=1) (ddp_comm_shm.c): the
+ * accepting side offers, the dialing side answers; both always exchange the
+ * offer and the ack, so they agree on the transport. *l is replaced by the
+ * new link (which owns the TCP one); unchanged for peers on other hosts. */
+ddp_status ddp_comm_pair_shm(ddp_comm *c, int p, int accepting, ddp_link **l, ddp_wait w);
+
+/* Links on first use (ddp_comm_link.c). Start / stop the acceptor thread of
+ * root c (after the rendezvous; stop joins it and frees what it held). */
+ddp_status ddp_comm_links_start(ddp_comm *c);
+void ddp_comm_links_stop(ddp_comm *c);
+/* The connect hook of every group over root c (ddp_group.connect): the link
+ * to the group's rank p of communicator ctx (a root or a subgroup), made now
+ * if nobody made it yet; by w. Thread-safe. */
+ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out);
 
 #endif

@@ -1,19 +1,17 @@
-/* ddp_comm_shm.c - upgrade of same-host links to shared memory.
+/* ddp_comm_shm.c - upgrade of a new same-host link to shared memory.
  *
- * After rendezvous every pair of ranks has a TCP link. For each pair whose
- * host identities (boot id + host name + network namespace, published at
- * rendezvous) are equal, the lower rank creates a segment and offers its
- * name over the TCP link; the higher rank maps it and acknowledges; the
- * lower rank then unlinks the name at once, so from here on a killed job
- * leaves nothing in /dev/shm. Both sides swap the pair's link for a
- * shared-memory link that keeps the TCP link for liveness only.
+ * A pair's link starts as one TCP connection, made when the pair first
+ * needs it (ddp_comm_link.c). When the two ranks' host identities (boot id +
+ * host name + network namespace, published at rendezvous) are equal, the
+ * accepting rank creates a segment and offers its name over that
+ * connection; the dialing rank maps it and acknowledges; the accepting rank
+ * then unlinks the name at once, so from here on a killed job leaves nothing
+ * in /dev/shm. Both sides swap the pair's link for a shared-memory link that
+ * keeps the TCP connection for liveness only.
  *
  * Every same-host pair always exchanges an offer and an ack, even when one
  * side has PYDDP_SHM_DISABLE=1 or cannot create/map the segment (it then
  * offers or acks "no"), so both sides always agree on the pair's transport.
- * The exchange runs in three phases (all offers out, then answer the lower
- * ranks' offers, then collect acks); offers and acks are tiny, so sends
- * complete at once and no rank waits on a rank that waits on it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,126 +71,76 @@ static void ack_decode(const unsigned char in[ACK_BYTES], shm_ack *a) {
     a->ok = ddp_le_get32(in + 4);
 }
 
-/* Per-peer state of segments this rank created (peers above it). */
-typedef struct pending {
-    ddp_shm_seg *seg;
-    char name[DDP_SHM_NAME_MAX];
-} pending;
-
 static int shm_disabled(void) { return ddp_setting_int("PYDDP_SHM_DISABLE") != 0; }
 
-static int same_host(ddp_comm *c, int r) {
-    const char *mine = ddp_comm_host_id(c, c->rank), *theirs = ddp_comm_host_id(c, r);
+int ddp_comm_same_host(const ddp_comm *c, int r) {
+    const char *mine = c->host_ids[c->rank], *theirs = c->host_ids[r];
     return r != c->rank && mine && theirs && mine[0] && strcmp(mine, theirs) == 0;
 }
 
-/* Phase 1: create a segment for each same-host higher peer and offer it. */
-static ddp_status send_offers(ddp_comm *c, pending *pend, int disabled, ddp_wait w) {
-    size_t ring = ddp_shm_ring_bytes();
-    for (int p = c->rank + 1; p < c->size; p++) {
-        if (!same_host(c, p)) continue;
-        shm_offer o;
-        memset(&o, 0, sizeof o);
-        o.magic = OFFER_MAGIC;
-        /* A failed creation (full /dev/shm, no /dev/shm) keeps this pair on
-         * TCP rather than failing the job. */
-        if (!disabled && ddp_shm_seg_create(ring, pend[p].name, &pend[p].seg) == DDP_OK) {
-            o.ok = 1;
-            o.ring_bytes = ring;
-            memcpy(o.name, pend[p].name, sizeof o.name);
-        }
-        unsigned char msg[OFFER_BYTES];
-        offer_encode(&o, msg);
-        ddp_status st = ddp_link_send(c->links[p], msg, sizeof msg, w);
-        if (st != DDP_OK)
-            return ddp_error_prefix(st, "rank %d offering shared memory to %s: ", c->rank,
-                                    c->desc[p]);
+/* Accepting side: create a segment, offer it, wait for the ack, unlink the
+ * name at once, and switch where the peer mapped it. */
+static ddp_status offer(ddp_comm *c, int p, ddp_link **l, ddp_wait w) {
+    shm_offer o;
+    ddp_shm_seg *seg = NULL;
+    memset(&o, 0, sizeof o);
+    o.magic = OFFER_MAGIC;
+    /* A failed creation (full /dev/shm, no /dev/shm) keeps this pair on TCP
+     * rather than failing the job. */
+    if (!shm_disabled() && ddp_shm_seg_create(ddp_shm_ring_bytes(), o.name, &seg) == DDP_OK) {
+        o.ok = 1;
+        o.ring_bytes = ddp_shm_ring_bytes();
     }
-    return DDP_OK;
+    unsigned char msg[OFFER_BYTES], ack[ACK_BYTES] = {0};
+    offer_encode(&o, msg);
+    ddp_status st = ddp_link_send(*l, msg, sizeof msg, w);
+    if (st == DDP_OK) st = ddp_link_recv(*l, ack, sizeof ack, w);
+    if (o.ok) ddp_shm_unlink(o.name);
+    shm_ack a;
+    ack_decode(ack, &a);
+    if (st == DDP_OK && a.magic != ACK_MAGIC)
+        st = ddp_error(DDP_ERR_PROTOCOL, "rank %d: %s sent a malformed shared-memory ack "
+                       "(magic %#x)", c->rank, c->desc[p], a.magic);
+    else if (st != DDP_OK)
+        ddp_error_prefix(st, "rank %d offering shared memory to %s: ", c->rank, c->desc[p]);
+    if (st != DDP_OK || !a.ok || seg == NULL) {
+        ddp_shm_seg_close(seg);
+        return st;
+    }
+    *l = ddp_link_shm_new(seg, 0, *l, p, c->desc[p]);   /* owns the TCP link now */
+    return *l ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "out of memory");
 }
 
-/* Phase 2: answer each same-host lower peer's offer; switch on success. */
-static ddp_status answer_offers(ddp_comm *c, int disabled, ddp_wait w) {
-    for (int p = 0; p < c->rank; p++) {
-        if (!same_host(c, p)) continue;
-        shm_offer o;
-        unsigned char msg[OFFER_BYTES];
-        ddp_status st = ddp_link_recv(c->links[p], msg, sizeof msg, w);
-        if (st != DDP_OK)
-            return ddp_error_prefix(st, "rank %d waiting for %s's shared-memory offer: ",
-                                    c->rank, c->desc[p]);
-        offer_decode(msg, &o);
-        if (o.magic != OFFER_MAGIC)
-            return ddp_error(DDP_ERR_PROTOCOL, "rank %d: %s sent a malformed shared-memory "
-                             "offer (magic %#x); do both ranks run the same pyddp?", c->rank,
-                             c->desc[p], o.magic);
-        ddp_shm_seg *seg = NULL;
-        shm_ack a = {ACK_MAGIC, 0};
-        if (o.ok && !disabled && ddp_shm_seg_open(o.name, &seg) == DDP_OK) a.ok = 1;
-        unsigned char ack[ACK_BYTES];
-        ack_encode(&a, ack);
-        st = ddp_link_send(c->links[p], ack, sizeof ack, w);
-        if (st != DDP_OK) {
-            ddp_shm_seg_close(seg);
-            return ddp_error_prefix(st, "rank %d acknowledging %s's shared-memory offer: ",
-                                    c->rank, c->desc[p]);
-        }
-        if (!a.ok) continue;
-        ddp_link *l = ddp_link_shm_new(seg, 1, c->links[p], p, c->desc[p]);
-        c->links[p] = l;   /* the TCP link now belongs to l (freed with it on failure) */
-        if (l == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
+/* Dialing side: read the offer, map it if allowed, acknowledge, switch. */
+static ddp_status answer(ddp_comm *c, int p, ddp_link **l, ddp_wait w) {
+    unsigned char msg[OFFER_BYTES];
+    ddp_status st = ddp_link_recv(*l, msg, sizeof msg, w);
+    if (st != DDP_OK)
+        return ddp_error_prefix(st, "rank %d waiting for %s's shared-memory offer: ", c->rank,
+                                c->desc[p]);
+    shm_offer o;
+    offer_decode(msg, &o);
+    if (o.magic != OFFER_MAGIC)
+        return ddp_error(DDP_ERR_PROTOCOL, "rank %d: %s sent a malformed shared-memory offer "
+                         "(magic %#x); do both ranks run the same pyddp?", c->rank, c->desc[p],
+                         o.magic);
+    ddp_shm_seg *seg = NULL;
+    shm_ack a = {ACK_MAGIC, 0};
+    if (o.ok && !shm_disabled() && ddp_shm_seg_open(o.name, &seg) == DDP_OK) a.ok = 1;
+    unsigned char ack[ACK_BYTES];
+    ack_encode(&a, ack);
+    st = ddp_link_send(*l, ack, sizeof ack, w);
+    if (st != DDP_OK) {
+        ddp_shm_seg_close(seg);
+        return ddp_error_prefix(st, "rank %d acknowledging %s's shared-memory offer: ",
+                                c->rank, c->desc[p]);
     }
-    return DDP_OK;
+    if (!a.ok) return DDP_OK;
+    *l = ddp_link_shm_new(seg, 1, *l, p, c->desc[p]);
+    return *l ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "out of memory");
 }
 
-/* Phase 3: collect acks; unlink every name at once; switch where mapped. */
-static ddp_status collect_acks(ddp_comm *c, pending *pend, ddp_wait w) {
-    for (int p = c->rank + 1; p < c->size; p++) {
-        if (!same_host(c, p)) continue;
-        shm_ack a;
-        unsigned char ack[ACK_BYTES] = {0};
-        ddp_status st = ddp_link_recv(c->links[p], ack, sizeof ack, w);
-        ack_decode(ack, &a);
-        ddp_shm_unlink(pend[p].name);
-        pend[p].name[0] = '\0';
-        if (st != DDP_OK)
-            return ddp_error_prefix(st, "rank %d waiting for %s to map shared memory: ",
-                                    c->rank, c->desc[p]);
-        if (a.magic != ACK_MAGIC)
-            return ddp_error(DDP_ERR_PROTOCOL, "rank %d: %s sent a malformed shared-memory "
-                             "ack (magic %#x)", c->rank, c->desc[p], a.magic);
-        if (!a.ok || pend[p].seg == NULL) {
-            ddp_shm_seg_close(pend[p].seg);
-            pend[p].seg = NULL;
-            continue;
-        }
-        ddp_link *l = ddp_link_shm_new(pend[p].seg, 0, c->links[p], p, c->desc[p]);
-        pend[p].seg = NULL;
-        c->links[p] = l;
-        if (l == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
-    }
-    return DDP_OK;
-}
-
-/* Collective over the TCP links (see the file comment). On failure every
- * name this rank created is unlinked and unadopted segments are unmapped;
- * links already switched stay in c->links for the caller to free. */
-ddp_status ddp_comm_upgrade_links(ddp_comm *c, ddp_wait w) {
-    int any = 0;
-    for (int p = 0; p < c->size && !any; p++) any = same_host(c, p);
-    if (!any) return DDP_OK;
-    pending *pend = calloc((size_t)c->size, sizeof *pend);
-    if (pend == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
-    int disabled = shm_disabled();
-    ddp_status st;
-    DDP_CHECK(send_offers(c, pend, disabled, w), out);
-    DDP_CHECK(answer_offers(c, disabled, w), out);
-    DDP_CHECK(collect_acks(c, pend, w), out);
-out:
-    for (int p = 0; p < c->size; p++) {
-        ddp_shm_unlink(pend[p].name);
-        ddp_shm_seg_close(pend[p].seg);
-    }
-    free(pend);
-    return st;
+ddp_status ddp_comm_pair_shm(ddp_comm *c, int p, int accepting, ddp_link **l, ddp_wait w) {
+    if (!ddp_comm_same_host(c, p)) return DDP_OK;
+    return accepting ? offer(c, p, l, w) : answer(c, p, l, w);
 }

@@ -47,9 +47,20 @@ static ddp_status send_reply(int fd, uint32_t verdict, ddp_wait w, const char *a
     return ddp_sock_send_all(fd, r, sizeof r, w, addr);
 }
 
+void ddp_hello_refuse(int fd, uint32_t verdict, ddp_wait w) {
+    send_reply(fd, verdict, w, "a connecting peer");
+}
+
 ddp_status ddp_hello_connect(int fd, const ddp_auth *a, const char *purpose, ddp_wait w,
                              const char *peer) {
+    uint32_t verdict;
+    return ddp_hello_connect_v(fd, a, purpose, w, peer, &verdict);
+}
+
+ddp_status ddp_hello_connect_v(int fd, const ddp_auth *a, const char *purpose, ddp_wait w,
+                               const char *peer, uint32_t *verdict_out) {
     unsigned char r[DDP_HELLO_REPLY_BYTES];
+    *verdict_out = 0;
     ddp_status st = ddp_sock_recv_all(fd, r, sizeof r, w, peer);
     if (st == DDP_ERR_CLOSED)
         return ddp_error(DDP_ERR_AUTH, "authentication failed with %s: it closed the "
@@ -61,6 +72,12 @@ ddp_status ddp_hello_connect(int fd, const ddp_auth *a, const char *purpose, ddp
     if (magic != DDP_HELLO_REPLY_MAGIC)
         return ddp_error(DDP_ERR_PROTOCOL, "%s answered the hello with garbage (magic %#x): "
                          "is that port another program's?", peer, (unsigned)magic);
+    *verdict_out = verdict;
+    if (verdict == DDP_HELLO_DUPLICATE)
+        return ddp_error(DDP_ERR_CLOSED, "%s keeps its own connection to this rank", peer);
+    if (verdict == DDP_HELLO_BROKEN)
+        return ddp_error(DDP_ERR_CLOSED, "%s has already failed (its process group is "
+                         "broken: see its error)", peer);
     if (verdict == DDP_HELLO_OK && a == NULL) return DDP_OK;
     if (verdict == DDP_HELLO_AUTH && a != NULL) return ddp_auth_initiate(fd, a, purpose, w, peer);
     if (verdict == DDP_HELLO_NEED_TOKEN || (verdict == DDP_HELLO_AUTH && a == NULL))

@@ -35,7 +35,10 @@ enum {
     DDP_HELLO_OK = 0,        /* neither side has a token: the link is up */
     DDP_HELLO_AUTH = 1,      /* both have one: the handshake follows */
     DDP_HELLO_NEED_TOKEN = 2,/* the acceptor has a token, the sender none: closed */
-    DDP_HELLO_NO_TOKEN = 3   /* the sender has a token, the acceptor none: closed */
+    DDP_HELLO_NO_TOKEN = 3,  /* the sender has a token, the acceptor none: closed */
+    DDP_HELLO_DUPLICATE = 4, /* the acceptor keeps its own connection to the sender
+                              * (both dialed; the higher rank's wins): closed */
+    DDP_HELLO_BROKEN = 5     /* the acceptor's process group has failed: closed */
 };
 
 typedef struct ddp_hello {
@@ -63,6 +66,17 @@ void ddp_hello_purpose(uint64_t tag, int from, int to, int size, int stream, cha
  * statuses for timeouts, aborts and broken connections. */
 ddp_status ddp_hello_connect(int fd, const ddp_auth *a, const char *purpose, ddp_wait w,
                              const char *peer);
+
+/* ddp_hello_connect that also reports the acceptor's verdict (0 if no
+ * reply came). DDP_HELLO_DUPLICATE and DDP_HELLO_BROKEN fail with
+ * DDP_ERR_CLOSED, the latter's message saying that the peer's process group
+ * has already failed. */
+ddp_status ddp_hello_connect_v(int fd, const ddp_auth *a, const char *purpose, ddp_wait w,
+                               const char *peer, uint32_t *verdict);
+
+/* Accepting side, turning a connection away with verdict (DDP_HELLO_DUPLICATE
+ * or DDP_HELLO_BROKEN) before any handshake; best effort, bounded by w. */
+void ddp_hello_refuse(int fd, uint32_t verdict, ddp_wait w);
 
 /* Accepting side, for a hello h already checked to be this group's: reply
  * and, when both sides have a token, authenticate as responder. DDP_OK: the
