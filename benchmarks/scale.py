@@ -17,7 +17,9 @@ Three parts, each printing one row per world size N:
 * torch gloo: ranks as threads, at most --gloo-threads per process (torch processes are
   too large for one per rank), each with its own torch TCPStore client to the same kind
   of store and torch.distributed.ProcessGroupGloo(store, rank, N, timeout), with
-  TORCH_GLOO_LAZY_INIT=1.
+  TORCH_GLOO_LAZY_INIT=1. gloo's store clients connect before the start gate (torch's
+  client looks its own address up in DNS, seconds where no DNS server answers), so its
+  init is the ProcessGroupGloo construction alone; pyddp's includes its store connection.
 
 Columns: init (s): from the moment every rank is released at once (all ranks ready, one
 gate opened) to the last rank's init returning (store connection included); sockets/rank:

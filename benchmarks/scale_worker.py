@@ -23,7 +23,8 @@ Modes:
         store the launcher hosts at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE
         =True: as under torchrun, no rank hosts it).
   gloo FIRST COUNT N ITERS TIMEOUT_S G0 G1 G2 REP   ranks FIRST..FIRST+COUNT-1 of N as
-        threads of this process, each with its own torch TCPStore client and a
+        threads of this process, each with its own torch TCPStore client (connected
+        before the first gate, so not in the init time) and a
         torch.distributed.ProcessGroupGloo(store, rank, N, timeout) (TORCH_GLOO_LAZY_INIT
         is set by the launcher). torch processes are large, so gloo's ranks share a few.
 """
@@ -123,9 +124,11 @@ def run_gloo(args):
 
     def rank_body(rank):
         try:
+            # Connected before the gate: torch's client looks its own address up in
+            # DNS, which takes seconds where no DNS server answers (as here).
+            store = dist.TCPStore(host, port, None, False, timeout=td, wait_for_workers=False)
             report(rep, f"ready {rank} {os.getpid()}")
             wait_gate(gates[0], timeout_s)
-            store = dist.TCPStore(host, port, None, False, timeout=td, wait_for_workers=False)
             pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, n, td)
             report(rep, f"init {rank} {time.monotonic():.6f}")
             wait_gate(gates[1], timeout_s)
