@@ -132,7 +132,8 @@ def run_c(args, n):
     except subprocess.TimeoutExpired:
         kill_pids([proc.pid])
         proc.communicate()
-        return {"n": n, "ok": False, "error": f"no result within {args.timeout * 2 + 30:.0f} s"}
+        return {"n": n, "ok": False,
+                "error": f"no result within {args.timeout * 2 + 30:.0f} s"}
     finally:
         if proc.poll() is None:   # interrupted: leave nothing behind
             kill_pids([proc.pid])
@@ -196,8 +197,8 @@ def run_ranks(args, kind, n):
             res["how"] = "1 process per rank (forked)"
         else:
             t = max(1, args.gloo_threads)
-            cmds = [[sys.executable, WORKER, "gloo", str(f), str(min(t, n - f)), str(n)] + common
-                    for f in range(0, n, t)]
+            cmds = [[sys.executable, WORKER, "gloo", str(f), str(min(t, n - f)), str(n)]
+                    + common for f in range(0, n, t)]
             res["how"] = f"threads, {len(cmds)} process(es)"
         for cmd in cmds:
             procs.append(subprocess.Popen(cmd, env=env, pass_fds=child_fds, stdout=log,
@@ -251,7 +252,7 @@ def run_ranks(args, kind, n):
         kill_pids(rank_pids)
         kill_pids([p.pid for p in procs])
         for p in procs:
-            p.wait()
+            p.wait(timeout=30)
         for fd in child_fds + [rep_r] + [g[1] for g in gates]:
             os.close(fd)
         srv.stop()

@@ -285,8 +285,8 @@ static void die(int n, const char *why) {
     int total = 0, store = 0;
     getrlimit(RLIMIT_NOFILE, &rl);
     count_sockets(-1, &total, &store);
-    snprintf(msg, sizeof msg, "%s [sockets open at exit: %d; RLIMIT_NOFILE %llu]", why,
-             total, (unsigned long long)rl.rlim_cur);
+    snprintf(msg, sizeof msg, "[sockets open at exit: %d; RLIMIT_NOFILE %llu] %s", total,
+             (unsigned long long)rl.rlim_cur, why);
     fprintf(stderr, "scale_ranks: N=%d: %s\n", n, msg);
     printf("{\"n\":%d,\"ok\":false,\"error\":\"", n);
     for (const char *c = msg; *c; c++) {

@@ -93,8 +93,8 @@ def run_pyddp_fork(args):
     deadlines; the launcher kills them by pid besides)."""
     n, iters, timeout_s = int(args[0]), int(args[1]), float(args[2])
     gates, rep = [int(a) for a in args[3:6]], int(args[6])
-    import numpy  # noqa: F401 - imported once here, shared by the forked ranks
-    import pyddp  # noqa: F401
+    for mod in ("numpy", "pyddp"):   # imported once here, shared by the forked ranks
+        __import__(mod)
     pids = []
     for rank in range(n):
         pid = os.fork()
@@ -107,7 +107,16 @@ def run_pyddp_fork(args):
                 code = 1
             os._exit(code)
         pids.append(pid)
-    for pid in pids:
+    # Each rank is bounded by its gates' deadlines; past all three, kill what is left.
+    deadline = time.monotonic() + 3 * timeout_s + 60
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                left.discard(pid)
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, 9)
         os.waitpid(pid, 0)
 
 
@@ -142,7 +151,6 @@ def run_gloo(args):
             f, s = timed_allreduces(one, iters)
             report(rep, f"done {rank} {f:.6f} {s:.6f}")
             wait_gate(gates[2], timeout_s)
-            del pg, store
         except BaseException as e:  # noqa: BLE001 - reported to the launcher
             report(rep, f"fail {rank} {type(e).__name__}: {e}")
     threads = [threading.Thread(target=rank_body, args=(r,), daemon=True)
