@@ -50,6 +50,7 @@
 
 #define STACK_BYTES (256u << 10)
 #define MSG_LEN 1024
+#define GATE_GRACE_MS 5000
 
 /* A gate: ranks arrive, the main thread waits for all of them (or a
  * failure, or the deadline), notes the time and opens it. */
@@ -129,9 +130,11 @@ static int gate_pass(world *w, int g, int rank) {
 }
 
 /* The main thread's side: wait for every rank to arrive at g, then open it.
- * Returns 0; -1 on a failure or the deadline (recorded). */
+ * Returns 0; -1 on a failure or the deadline (recorded). The deadline is the
+ * comm timeout plus GATE_GRACE_MS, so that a rank's own error, which says
+ * more, is the one reported when its wait runs out first. */
 static int gate_open(world *w, int g) {
-    struct timespec dl = deadline_in(w->timeout_ms);
+    struct timespec dl = deadline_in(w->timeout_ms + GATE_GRACE_MS);
     int rc = 0;
     pthread_mutex_lock(&w->mu);
     while (w->gates[g].arrived < w->n && !atomic_load(&w->failed) && rc == 0)
@@ -146,7 +149,7 @@ static int gate_open(world *w, int g) {
     pthread_mutex_unlock(&w->mu);
     if (!all && !atomic_load(&w->failed))
         fail(w, "only %d of %d ranks reached gate %d within %lld ms", arrived, w->n, g,
-             (long long)w->timeout_ms);
+             (long long)(w->timeout_ms + GATE_GRACE_MS));
     return all ? 0 : -1;
 }
 
