@@ -621,3 +621,22 @@ def test_stalled_large_request_is_the_one_evicted():
         _, err = p.communicate(timeout=10)
     assert f"rejected a store request from {peer}" in err, err
     assert "evicted" in err, err
+
+
+def test_server_counts_requests():
+    """_C.StoreServer.requests: every request served, VALIDATE and PING of a connect
+    included (a SET has no reply, so a request with one follows it before counting)."""
+    srv = _C.StoreServer()
+    assert srv.requests == 0
+    port = srv.start("127.0.0.1", 0)
+    try:
+        c = _C.StoreClient()
+        c.connect("127.0.0.1", port, 5000, 0)
+        assert srv.requests == 2
+        c.set(b"/k", b"v")
+        assert c.add(b"/n", 1) == 1
+        assert srv.requests == 4
+        c.close()
+    finally:
+        srv.stop()
+    assert srv.requests == 0

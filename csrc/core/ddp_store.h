@@ -118,6 +118,15 @@ typedef struct ddp_store_server ddp_store_server;
  * serving thread. *port_out gets the bound port. */
 ddp_status ddp_store_server_start(const char *bind_host, int port,
                                   ddp_store_server **out, int *port_out);
+/* How many requests the server has run since it started: every complete
+ * request framed on a connection counts once (VALIDATE and PING of a
+ * connect included, so a ddp_store_connect costs 2 and a ddp_store_get 2,
+ * its WAIT and its GET; CANCEL_WAIT counts, and so does a complete request
+ * that makes the server drop the connection; the token handshake does not,
+ * nor do the bytes of a request that never arrived whole).
+ * Thread-safe, never blocks; 0 for NULL. For benchmarks (benchmarks/scale.py)
+ * and tests: how much a rendezvous asks of the one store. */
+uint64_t ddp_store_server_requests(const ddp_store_server *srv);
 /* Stop the thread, close all connections, free all keys. NULL is a no-op. */
 void ddp_store_server_stop(ddp_store_server *srv);
 

@@ -228,5 +228,6 @@ int ddp_store_handle(ddp_store_server *srv, ddp_store_conn *c, const unsigned ch
     *used = c->scan.off;
     ddp_store_scan_reset(&c->scan);
     ddp_rcur_init(&r, p + 1, *used - 1);
+    atomic_fetch_add_explicit(&srv->requests, 1, memory_order_relaxed);
     return run(srv, c, &r, q) < 0 ? -1 : 1;
 }

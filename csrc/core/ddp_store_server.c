@@ -320,6 +320,7 @@ ddp_status ddp_store_server_start(const char *bind_host, int port,
     if (srv == NULL) return ddp_error(DDP_ERR_NOMEM, "store server: out of memory");
     srv->lfd = srv->wake[0] = srv->wake[1] = -1;
     atomic_init(&srv->stop, 0);
+    atomic_init(&srv->requests, 0);
     const ddp_auth *key = NULL;
     st = ddp_auth_get(&key);   /* a bad token file or no libcrypto fails the start */
     if (st != DDP_OK) {
@@ -364,6 +365,11 @@ fail:
     free(srv->pfds);
     free(srv);
     return st;
+}
+
+uint64_t ddp_store_server_requests(const ddp_store_server *srv) {
+    return srv == NULL ? 0 : (uint64_t)atomic_load_explicit(&srv->requests,
+                                                            memory_order_relaxed);
 }
 
 void ddp_store_server_stop(ddp_store_server *srv) {

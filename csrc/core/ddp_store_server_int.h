@@ -70,6 +70,9 @@ struct ddp_store_server {
     atomic_size_t held, allowed;
     size_t budget;               /* PYDDP_STORE_BUFFER_BYTES */
     int64_t request_timeout_ms;  /* PYDDP_STORE_REQUEST_TIMEOUT */
+    /* Requests run so far (ddp_store_handle; read by ddp_store_server_requests
+     * from any thread). */
+    atomic_uint_least64_t requests;
 };
 
 /* Grow conns and pfds together. 0, or -1 if out of memory (unchanged). */

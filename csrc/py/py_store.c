@@ -420,6 +420,12 @@ static PyObject *sv_get_port(ServerObject *self, void *closure) {
     return PyLong_FromLong(self->port);
 }
 
+/* Requests the server has run since it started (ddp_store_server_requests);
+ * 0 before start and after stop. */
+static PyObject *sv_get_requests(ServerObject *self, void *closure) {
+    return PyLong_FromUnsignedLongLong(ddp_store_server_requests(self->srv));
+}
+
 static void sv_dealloc(ServerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     sv_stop_now(self);
@@ -436,6 +442,9 @@ static PyMethodDef sv_methods[] = {
 
 static PyGetSetDef sv_getset[] = {
     {"port", (getter)sv_get_port, NULL, "The bound port (0 before start).", NULL},
+    {"requests", (getter)sv_get_requests, NULL,
+     "Requests served since start (VALIDATE and PING of each connect included; 0 when "
+     "not running).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

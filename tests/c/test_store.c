@@ -5,7 +5,8 @@
  * unknown queries, absurd lengths or vanish mid-request, none of which may
  * disturb the server for other clients; closing a client while other
  * threads, holding their own references, are blocked in requests on it;
- * DDP_ERR_STORE for garbage, a lost connection or a closed client. */
+ * DDP_ERR_STORE for garbage, a lost connection or a closed client; the
+ * server's request counter growing by exactly the requests made. */
 #include <pthread.h>
 #include <string.h>
 #include <unistd.h>
@@ -489,6 +490,31 @@ static void test_connect_failures(void) {
     T_ASSERT(s == NULL);
 }
 
+/* ddp_store_server_requests counts exactly the requests made, on a server
+ * of its own (the other tests' leftovers do not count). */
+static void test_request_count(void) {
+    ddp_store_server *srv;
+    int port;
+    T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &port));
+    T_ASSERT(ddp_store_server_requests(srv) == 0);
+    T_ASSERT(ddp_store_server_requests(NULL) == 0);
+    ddp_store *s;
+    T_OK(ddp_store_connect("127.0.0.1", port, W(5000), &s));
+    uint64_t n0 = ddp_store_server_requests(srv);
+    T_ASSERT(n0 == 2);   /* VALIDATE and PING */
+    int64_t r;
+    T_OK(ddp_store_set(s, K("/k"), "v", 1, W(5000)));            /* 1 */
+    expect_value(s, "/k", "v");                                  /* 2: WAIT, GET */
+    T_OK(ddp_store_add(s, K("/c"), 3, &r, W(5000)));             /* 1 */
+    T_OK(ddp_store_num_keys(s, &r, W(5000)));                    /* 1 */
+    T_ASSERT(ddp_store_server_requests(srv) == n0 + 5);
+    /* A burst of small ones. */
+    for (int i = 0; i < 100; i++) T_OK(ddp_store_add(s, K("/c"), 1, &r, W(5000)));
+    T_ASSERT(ddp_store_server_requests(srv) == n0 + 105);
+    ddp_store_close(s);
+    ddp_store_server_stop(srv);
+}
+
 int main(void) {
     ddp_store_server *srv;
     T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &g_port));
@@ -502,6 +528,7 @@ int main(void) {
     test_close_wakes_blocked_requests();
     test_garbage_is_a_store_error();
     test_connect_failures();
+    test_request_count();
     /* Stopping with a client still connected: the client then sees a
      * closed connection, not a hang. */
     ddp_store *s = client();

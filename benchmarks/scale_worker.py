@@ -1,0 +1,172 @@
+"""The rank side of benchmarks/scale.py: Python ranks of pyddp, and torch gloo ranks.
+
+Not run by hand: scale.py starts it with three pipes whose read ends are "gates" and
+one pipe to report on, their descriptors given as arguments. A gate opens when the
+launcher writes a byte to it; every rank polls the same pipe without reading it, so
+one write releases them all at once. Ranks report one line each (shorter than
+PIPE_BUF, so lines from many processes never interleave) on the report pipe:
+
+    ready <rank> <pid>                       at the first gate, pyddp imported
+    init <rank> <t_done>                     init finished (time.monotonic(), which is
+                                             the same clock in every process)
+    done <rank> <first_s> <steady_s>         after the all-reduces (first, median)
+    fail <rank> <message>                    any failure (then the rank exits)
+
+The gates: 0 start (init begins), 1 inited (the first all-reduce begins on every rank
+at once), 2 exit (the launcher has counted the ranks' sockets; tear down).
+
+Modes:
+  pyddp-fork N ITERS TIMEOUT_S G0 G1 G2 REP   a zygote: imports pyddp once and forks
+        N ranks, each its own process (what import costs is not what is measured, and
+        forked ranks share the imported pages, so hundreds fit); each rank sets RANK
+        and WORLD_SIZE and calls pyddp.init_process_group() the env:// way against the
+        store the launcher hosts at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE
+        =True: as under torchrun, no rank hosts it).
+  gloo FIRST COUNT N ITERS TIMEOUT_S G0 G1 G2 REP   ranks FIRST..FIRST+COUNT-1 of N as
+        threads of this process, each with its own torch TCPStore client (connected
+        before the first gate, so not in the init time) and a
+        torch.distributed.ProcessGroupGloo(store, rank, N, timeout) (TORCH_GLOO_LAZY_INIT
+        is set by the launcher). torch processes are large, so gloo's ranks share a few.
+"""
+import os
+import select
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+
+
+def wait_gate(fd, timeout_s):
+    """Block until gate fd opens (readable); raise TimeoutError after timeout_s."""
+    r, _, _ = select.select([fd], [], [], timeout_s)
+    if not r:
+        raise TimeoutError(f"gate (fd {fd}) not opened within {timeout_s:.0f} s")
+
+
+def report(fd, line):
+    """Write one line to the report pipe in one write (atomic under PIPE_BUF)."""
+    data = (line.replace("\n", " ")[:3000] + "\n").encode()
+    os.write(fd, data)
+
+
+def timed_allreduces(one, iters):
+    """(first, median of the next iters) durations in seconds of calling one()."""
+    t0 = time.perf_counter()
+    one()
+    first = time.perf_counter() - t0
+    steady = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        one()
+        steady.append(time.perf_counter() - t0)
+    return first, statistics.median(steady) if steady else 0.0
+
+
+def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
+    """One pyddp rank (in a forked process): gate, init, gate, all-reduces, gate, exit."""
+    import numpy as np
+    import pyddp
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(n)
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+    report(rep, f"ready {rank} {os.getpid()}")
+    wait_gate(gates[0], timeout_s)
+    pyddp.init_process_group("cpu", timeout=timedelta(seconds=timeout_s))
+    report(rep, f"init {rank} {time.monotonic():.6f}")
+    wait_gate(gates[1], timeout_s)
+    x = np.zeros(1, dtype=np.float64)
+    want = n * (n - 1) / 2
+
+    def one():
+        x[0] = rank
+        pyddp.all_reduce(x)
+        if x[0] != want:
+            raise AssertionError(f"all-reduce gave {x[0]}, expected {want}")
+    first, steady = timed_allreduces(one, iters)
+    report(rep, f"done {rank} {first:.6f} {steady:.6f}")
+    wait_gate(gates[2], timeout_s)
+    pyddp.destroy_process_group()
+
+
+def run_pyddp_fork(args):
+    """The zygote: import pyddp, fork N ranks, wait for them (each bounded by its gates'
+    deadlines; the launcher kills them by pid besides)."""
+    n, iters, timeout_s = int(args[0]), int(args[1]), float(args[2])
+    gates, rep = [int(a) for a in args[3:6]], int(args[6])
+    for mod in ("numpy", "pyddp"):   # imported once here, shared by the forked ranks
+        __import__(mod)
+    pids = []
+    for rank in range(n):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                pyddp_rank(rank, n, iters, timeout_s, gates, rep)
+            except BaseException as e:  # noqa: BLE001 - reported, then the rank exits
+                report(rep, f"fail {rank} {type(e).__name__}: {e}")
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    # Each rank is bounded by its gates' deadlines; past all three, kill what is left.
+    deadline = time.monotonic() + 3 * timeout_s + 60
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                left.discard(pid)
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def run_gloo(args):
+    """Ranks FIRST..FIRST+COUNT-1 of a gloo world of N as threads of this process."""
+    first_rank, count, n, iters = int(args[0]), int(args[1]), int(args[2]), int(args[3])
+    timeout_s = float(args[4])
+    gates, rep = [int(a) for a in args[5:8]], int(args[8])
+    import torch
+    import torch.distributed as dist
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    td = timedelta(seconds=timeout_s)
+    want = n * (n - 1) / 2
+
+    def rank_body(rank):
+        try:
+            # Connected before the gate: torch's client looks its own address up in
+            # DNS, which takes seconds where no DNS server answers (as here).
+            store = dist.TCPStore(host, port, None, False, timeout=td, wait_for_workers=False)
+            report(rep, f"ready {rank} {os.getpid()}")
+            wait_gate(gates[0], timeout_s)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, n, td)
+            report(rep, f"init {rank} {time.monotonic():.6f}")
+            wait_gate(gates[1], timeout_s)
+            x = torch.zeros(1, dtype=torch.float64)
+
+            def one():
+                x[0] = rank
+                pg.allreduce([x]).wait(td)
+                if x.item() != want:
+                    raise AssertionError(f"all-reduce gave {x.item()}, expected {want}")
+            f, s = timed_allreduces(one, iters)
+            report(rep, f"done {rank} {f:.6f} {s:.6f}")
+            wait_gate(gates[2], timeout_s)
+        except BaseException as e:  # noqa: BLE001 - reported to the launcher
+            report(rep, f"fail {rank} {type(e).__name__}: {e}")
+    threads = [threading.Thread(target=rank_body, args=(r,), daemon=True)
+               for r in range(first_rank, first_rank + count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 4)
+    os._exit(0)   # gloo's threads are not joined: the launcher has what it needs
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "pyddp-fork":
+        run_pyddp_fork(sys.argv[2:])
+    elif mode == "gloo":
+        run_gloo(sys.argv[2:])
+    else:
+        sys.exit(f"scale_worker: unknown mode {mode!r}")
