@@ -3,26 +3,30 @@
  *
  * A group of more than DDP_COLL_MESH_MAX ranks does not send every small
  * collective to every peer (size - 1 messages each way per rank, and a link
- * to every peer). Instead:
- *   - all-reduce (and barrier, an all-reduce of nothing): recursive
- *     doubling. With pof2 the largest power of two <= size and rem = size -
- *     pof2, each of the first 2*rem ranks that is even hands its data to the
- *     next (odd) rank and sits out; the pof2 ranks left exchange partial
- *     results with the rank whose index differs in bit k at step k, log2
- *     pof2 steps; the odd ranks then hand the result back.
- *   - broadcast: a binomial tree from the root (ranks numbered from the
- *     root): each rank receives once, then sends to up to log2 size others.
- *   - reduce: the same tree towards the root, partial results going up.
- * Every message is the call's 40-byte header and its payload; the header a
- * rank receives must agree with its own before the payload is read, so a
- * mismatch is reported by the ranks that exchange with the one that
- * differs, and the others fail as those ranks' links close.
+ * to every peer). All four kinds run as one recursive doubling: with pof2
+ * the largest power of two <= size and rem = size - pof2, each of the first
+ * 2*rem ranks that is even hands its value to the next (odd) rank and sits
+ * out; the pof2 ranks left exchange values with the rank whose index
+ * differs in bit k at step k, log2 pof2 steps; the odd ranks then hand the
+ * result back. The value is the accumulator of an all-reduce (and of a
+ * reduce, whose result only the root keeps), nothing for a barrier, and for
+ * a broadcast the data with a flag saying whether it is the root's (the
+ * combination keeps the flagged one).
  *
- * Partial results travel in the accumulator type (ddp_acc_size: float32 for
- * half types, wide integers for integer AVG) and are combined as (lower
- * rank's) op (higher rank's), whichever end computes it, so both ends of a
- * step hold bit-identical values and every rank ends with the same result;
- * AVG divides once, at the end.
+ * Every message is the call's 40-byte header and the value; the header a
+ * rank receives must agree with its own before the value is read. Every
+ * rank's result depends on every rank's message, so a rank whose call
+ * differs (another root, count, kind or group) is a mismatch for the ranks
+ * that exchange with it, and every other rank fails as their links close:
+ * no rank completes, none waits for its deadline. A binomial tree would
+ * send fewer messages for broadcast and reduce, but ranks outside the
+ * branch of a rank with another root would complete, and that rank wait.
+ *
+ * Values travel in the accumulator type (ddp_acc_size: float32 for half
+ * types, wide integers for integer AVG) and are combined as (lower rank's)
+ * op (higher rank's), whichever end computes it, so both ends of a step hold
+ * bit-identical values and every rank ends with the same result; AVG
+ * divides once, at the end.
  */
 #include "ddp_coll_internal.h"
 
@@ -38,6 +42,9 @@ typedef struct tree {
 } tree;
 
 static unsigned char *acc_of(tree *t, int i) { return t->msg[i] + t->hb; }
+
+/* A broadcast's value: a flag byte (1: the root's data), padding, the data. */
+#define BCAST_DATA 8
 
 /* Send the accumulator to rank `to` and/or receive a message from rank
  * `from` into msg[!cur] (either may be -1), concurrently; the received
@@ -66,8 +73,12 @@ static ddp_status step(tree *t, int to, int from, ddp_wait w) {
 /* Combine the message just received from rank `from` with the accumulator,
  * lower rank's value on the left; the result becomes the accumulator. */
 static void combine(tree *t, const ddp_coll_args *a, int from) {
-    if (a->count == 0) return;
     unsigned char *mine = acc_of(t, t->cur), *theirs = acc_of(t, !t->cur);
+    if (a->kind == DDP_COLL_BROADCAST) {   /* keep the root's: flag byte first */
+        if (theirs[0]) t->cur = !t->cur;
+        return;
+    }
+    if (a->count == 0) return;
     if (from > t->g->rank) {
         ddp_acc_combine(a->dtype, a->op, mine, mine, theirs, a->count);
     } else {
@@ -79,7 +90,7 @@ static void combine(tree *t, const ddp_coll_args *a, int from) {
 /* The group rank of index i among the pof2 ranks of the doubling phase. */
 static int doubling_rank(int i, int rem) { return i < rem ? 2 * i + 1 : i + rem; }
 
-static ddp_status allreduce(tree *t, const ddp_coll_args *a, ddp_wait w) {
+static ddp_status doubling(tree *t, const ddp_coll_args *a, ddp_wait w) {
     const int n = t->g->size, me = t->g->rank;
     int pof2 = 1;
     while (pof2 * 2 <= n) pof2 *= 2;
@@ -107,57 +118,22 @@ static ddp_status allreduce(tree *t, const ddp_coll_args *a, ddp_wait w) {
             return st;
         }
     }
-    if (a->count) ddp_acc_store(a->dtype, a->op, a->buf, acc_of(t, t->cur), a->count, n);
-    return DDP_OK;
-}
-
-/* Binomial tree rooted at a->root over ranks numbered from it (v = rank -
- * root mod size): v receives from v - lowbit(v) and sends to v + m for the
- * powers of two m below lowbit(v) (all of them for the root). */
-static int tree_parent_mask(int v, int n) {
-    int mask = 1;
-    while (mask < n && !(v & mask)) mask <<= 1;
-    return mask;   /* lowbit(v), or the first power of two >= n for the root */
-}
-
-static ddp_status broadcast(tree *t, const ddp_coll_args *a, ddp_wait w) {
-    const int n = t->g->size, root = a->root, v = (t->g->rank - root + n) % n;
-    const int top = tree_parent_mask(v, n);
-    ddp_status st;
-    if (v != 0) {
-        if ((st = step(t, -1, (v - top + root) % n, w)) != DDP_OK) return st;
-        t->cur = !t->cur;
-        if (t->pay) memcpy(a->buf, acc_of(t, t->cur), t->pay);
+    const unsigned char *res = acc_of(t, t->cur);
+    if (a->kind == DDP_COLL_BROADCAST) {
+        if (t->pay) memcpy(a->buf, res + BCAST_DATA, t->pay - BCAST_DATA);
+    } else if (a->count && (a->kind == DDP_COLL_ALLREDUCE || me == a->root)) {
+        ddp_acc_store(a->dtype, a->op, a->buf, acc_of(t, t->cur), a->count, n);
     }
-    for (int m = top >> 1; m > 0; m >>= 1)
-        if (v + m < n && (st = step(t, (v + m + root) % n, -1, w)) != DDP_OK) return st;
-    return DDP_OK;
-}
-
-static ddp_status reduce(tree *t, const ddp_coll_args *a, ddp_wait w) {
-    const int n = t->g->size, root = a->root, v = (t->g->rank - root + n) % n;
-    const int top = tree_parent_mask(v, n);
-    ddp_status st;
-    for (int m = 1; m < top; m <<= 1) {
-        if (v + m >= n) continue;
-        const int child = (v + m + root) % n;
-        if ((st = step(t, -1, child, w)) != DDP_OK) return st;
-        /* lower position on the left: the child is further from the root */
-        unsigned char *mine = acc_of(t, t->cur), *theirs = acc_of(t, !t->cur);
-        if (a->count) ddp_acc_combine(a->dtype, a->op, mine, mine, theirs, a->count);
-    }
-    if (v != 0) return step(t, (v - top + root) % n, -1, w);
-    if (a->count) ddp_acc_store(a->dtype, a->op, a->buf, acc_of(t, t->cur), a->count, n);
     return DDP_OK;
 }
 
 ddp_status ddp_coll_tree(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hdr *h,
                          ddp_wait w) {
     const int kind = a->kind;
-    const int has_data = kind != DDP_COLL_BARRIER && a->count > 0;
+    const size_t count = kind == DDP_COLL_BARRIER ? 0 : a->count;
     tree t = {.g = g, .h = h, .hb = DDP_COLL_HDR_BYTES};
-    if (kind == DDP_COLL_BROADCAST) t.pay = has_data ? a->count * ddp_dtype_size(a->dtype) : 0;
-    else if (has_data) t.pay = a->count * ddp_acc_size(a->dtype, a->op);
+    if (kind == DDP_COLL_BROADCAST) t.pay = BCAST_DATA + count * ddp_dtype_size(a->dtype);
+    else t.pay = count * ddp_acc_size(a->dtype, a->op);
     const size_t mb = ddp_coll_align(t.hb + t.pay);
     void *mem;
     ddp_status st = ddp_coll_scratch(g, 3 * mb, &mem);
@@ -166,12 +142,15 @@ ddp_status ddp_coll_tree(ddp_group *g, const ddp_coll_args *a, const ddp_coll_hd
     t.msg[0] = t.out + mb;
     t.msg[1] = t.out + 2 * mb;
     ddp_coll_hdr_encode(h, t.out);
+    unsigned char *v = acc_of(&t, 0);
     if (kind == DDP_COLL_BROADCAST) {
-        if (t.pay) memcpy(acc_of(&t, 0), a->buf, t.pay);   /* the root's data; others overwrite */
-        return broadcast(&t, a, w);
+        memset(v, 0, BCAST_DATA);
+        v[0] = g->rank == a->root;
+        if (v[0] && count) memcpy(v + BCAST_DATA, a->buf, t.pay - BCAST_DATA);
+    } else if (count) {
+        ddp_acc_load(a->dtype, a->op, v, a->buf, count);
     }
-    if (has_data) ddp_acc_load(a->dtype, a->op, acc_of(&t, 0), a->buf, a->count);
     ddp_coll_args b = *a;
-    if (!has_data) b.count = 0;
-    return kind == DDP_COLL_REDUCE ? reduce(&t, &b, w) : allreduce(&t, &b, w);
+    b.count = count;
+    return doubling(&t, &b, w);
 }

@@ -96,7 +96,7 @@ static ddp_status dial_one(ddp_comm *c, int p, int stream, ddp_wait w, int *fd_o
     if (cw.deadline_ms > w.deadline_ms) cw.deadline_ms = w.deadline_ms;
     int fd = -1;
     *verdict = DDP_HELLO_OK;
-    ddp_status st = ddp_sock_connect(addr, atoi(port), cw, &fd);
+    ddp_status st = ddp_sock_connect_peer(addr, atoi(port), cw, c->desc[p], &fd);
     if (st == DDP_OK) {
         ddp_hello h = {DDP_HELLO_MAGIC, DDP_WIRE_VERSION, c->link_tag, c->rank, c->size,
                        c->auth ? DDP_HELLO_HAS_TOKEN : 0u, (uint32_t)stream};

@@ -137,7 +137,7 @@ static ddp_wait addr_wait(ddp_wait w, int i, int n) {
 
 /* One pass over the addresses of a name. Returns a connected fd, or -1 with
  * *err set to the last errno (EINTR if w's flag aborted the pass). */
-static int connect_addrs(const ddp_addrs *as, ddp_wait w, int *err) {
+int ddp_sock_connect_addrs(const ddp_addrs *as, ddp_wait w, int *err) {
     for (int i = 0; i < as->n; i++) {
         const ddp_addr *a = &as->a[i];
         int s = open_socket(a->family, SOCK_STREAM, 0);
@@ -195,7 +195,7 @@ ddp_status ddp_sock_connect(const char *host, int port, ddp_wait w, int *fd_out)
         gai_err = g;
         if (g == EAI_SYSTEM) err = sys_err;
         if (st == DDP_OK) {
-            int fd = connect_addrs(&as, w, &err);
+            int fd = ddp_sock_connect_addrs(&as, w, &err);
             if (fd >= 0) {
                 *fd_out = fd;
                 return DDP_OK;

@@ -30,6 +30,20 @@
  * longer than the wait (check DNS). DDP_ERR_ABORTED if w's flag is set. */
 ddp_status ddp_sock_connect(const char *host, int port, ddp_wait w, int *fd_out);
 
+/* Connect to a rank's data port at host:port, which was listening when the
+ * rank published it: unlike ddp_sock_connect, a refusal is not retried (the
+ * rank's process is gone, or it closed its process group): DDP_ERR_CLOSED
+ * at once; no answer by w's deadline is DDP_ERR_CONNECT naming the port and
+ * what may block it (a firewall or security-group rule, PYDDP_PORT_RANGE).
+ * who names the rank in messages (ddp_sock_peer.c). */
+ddp_status ddp_sock_connect_peer(const char *host, int port, ddp_wait w, const char *who,
+                                 int *fd_out);
+
+/* One pass over the addresses of a resolved name (ddp_resolve.h), each with
+ * a share of w: a connected, tuned socket, or -1 with *err the last errno. */
+struct ddp_addrs;
+int ddp_sock_connect_addrs(const struct ddp_addrs *as, ddp_wait w, int *err);
+
 /* Listen on bind_host (NULL or "" = all interfaces, IPv4 and IPv6 where
  * possible) at port. port 0 picks an ephemeral port, unless lo..hi is a
  * nonzero range, in which case the first free port in [lo, hi] is used.

@@ -10,9 +10,10 @@ the store itself, under ``<base>`` (``/pyddp/<run id>/<generation>``):
 2. rank 0 reads the nonces of ranks 1..n-1 (waiting for each key to exist), names the
    round ``R`` after its own nonce and an attempt number, and writes ``R`` to
    ``<base>/round/<nonce of rank r>`` for every rank;
-3. rank r reads ``<base>/round/<its nonce>``, writes ``<base>/ack/<R>/<r>`` and waits
-   for ``<base>/go/<R>``;
-4. rank 0 sets ``go/<R>`` to ``go`` once every rank acknowledged. A nonce read in step 2
+3. rank r reads ``<base>/round/<its nonce>``, writes ``<base>/ack/<R>/<r>``, adds one
+   to ``<base>/acks/<R>`` and waits for ``<base>/go/<R>``;
+4. rank 0 sets ``go/<R>`` to ``go`` once every rank acknowledged (the count reached
+   n - 1). A nonce read in step 2
    may be a dead process's from an earlier round (its successor has not started yet):
    that rank never acknowledges, and when its ``hello`` key changes rank 0 names a new
    round ``R'`` for the nonces it now sees, then sets ``go/<R>`` to ``void`` so that
@@ -28,7 +29,8 @@ from datetime import timedelta
 
 from .. import _C
 
-_POLL_S = 0.05
+_POLL_S = 0.01   # rank 0 polls the acknowledgement count
+_LOOK_S = 1.0    # and looks for restarted ranks (one request per rank)
 
 
 def agree(store, base, rank, world_size, timeout_s):
@@ -48,6 +50,7 @@ def agree(store, base, rank, world_size, timeout_s):
         _wait(store, key, deadline, timeout_s, f"rank 0's round for rank {rank}")
         name = store.get(key).decode()
         store.set(f"{base}/ack/{name}/{rank}", "1")
+        store.add(f"{base}/acks/{name}", 1)
         go = f"{base}/go/{name}"
         _wait(store, go, deadline, timeout_s, "rank 0's go")
         if store.get(go) == b"go":
@@ -56,12 +59,22 @@ def agree(store, base, rank, world_size, timeout_s):
 
 
 def _lead(store, base, nonce, world_size, deadline, timeout_s):
-    """Rank 0's part: name rounds until every rank acknowledges one (see above)."""
+    """Rank 0's part: name rounds until every rank acknowledges one (see above). Its
+    store requests grow with the world only where they must (a read of every nonce,
+    a write of every rank's round): the hellos are waited for in one request, and the
+    acknowledgements counted in one key, polled with one request; the per-rank keys are
+    read only to name the missing at a timeout, and to look for restarted ranks about
+    once a second."""
     hello = [f"{base}/hello/{r}" for r in range(world_size)]
-    nonces = [nonce]
-    for r in range(1, world_size):
-        _wait(store, hello[r], deadline, timeout_s, f"rank {r} to start")
-        nonces.append(store.get(hello[r]).decode())
+    try:
+        store.wait(hello[1:], timeout=timedelta(seconds=max(deadline - time.monotonic(),
+                                                            0.001)))
+    except _C.DistTimeoutError:
+        late = [r for r in range(1, world_size) if not store.check([hello[r]])]
+        raise _C.DistTimeoutError(
+            f"waited {timeout_s:.0f} s for ranks {late} to start in the rendezvous round; "
+            f"check that every node was started for this job") from None
+    nonces = [nonce] + [store.get(hello[r]).decode() for r in range(1, world_size)]
     attempt, old = 0, None
     while True:
         name = f"{nonce[:16]}.{attempt}"
@@ -69,20 +82,23 @@ def _lead(store, base, nonce, world_size, deadline, timeout_s):
             store.set(f"{base}/round/{nonces[r]}", name)
         if old is not None:
             store.set(f"{base}/go/{old}", "void")
-        missing = list(range(1, world_size))
-        while missing:
-            missing = [r for r in missing if not store.check([f"{base}/ack/{name}/{r}"])]
-            changed = [r for r in missing if store.get(hello[r]).decode() != nonces[r]]
-            if changed:
-                break
-            if missing and time.monotonic() >= deadline:
-                raise _C.DistTimeoutError(
-                    f"rank 0: ranks {missing} did not join this start's rendezvous round "
-                    f"within {timeout_s:.0f} s (their last announced process never "
-                    f"answered). Check that every node was started for this job.")
-            if missing:
-                time.sleep(_POLL_S)
-        if not missing:
+        count, changed, looked = f"{base}/acks/{name}", [], time.monotonic()
+        while store.add(count, 0) < world_size - 1:
+            now = time.monotonic()
+            if now - looked >= _LOOK_S or now >= deadline:
+                looked = now
+                missing = [r for r in range(1, world_size)
+                           if not store.check([f"{base}/ack/{name}/{r}"])]
+                changed = [r for r in missing if store.get(hello[r]).decode() != nonces[r]]
+                if changed:
+                    break
+                if missing and now >= deadline:
+                    raise _C.DistTimeoutError(
+                        f"rank 0: ranks {missing} did not join this start's rendezvous "
+                        f"round within {timeout_s:.0f} s (their last announced process "
+                        f"never answered). Check that every node was started for this job.")
+            time.sleep(_POLL_S)
+        if not changed:
             store.set(f"{base}/go/{name}", "go")
             return name
         for r in changed:
