@@ -14,21 +14,35 @@ Three parts, each printing one row per world size N:
   not measured, and the forks share its pages, so hundreds fit), each calling
   pyddp.init_process_group() the env:// way (RANK, WORLD_SIZE, MASTER_ADDR/PORT on
   loopback, TORCHELASTIC_USE_AGENT_STORE=True) against a pyddp store this script hosts.
-* torch gloo: ranks as threads, at most --gloo-threads per process (torch processes are
-  too large for one per rank), each with its own torch TCPStore client to the same kind
-  of store and torch.distributed.ProcessGroupGloo(store, rank, N, timeout), with
-  TORCH_GLOO_LAZY_INIT=1. gloo's store clients connect before the start gate (torch's
-  client looks its own address up in DNS, seconds where no DNS server answers), so its
-  init is the ProcessGroupGloo construction alone; pyddp's includes its store connection.
+* torch gloo, like for like with the pyddp part: N processes forked from one that
+  imported torch and torch.distributed (and ran no thread when it forked; the forks share
+  its pages copy-on-write, so hundreds fit), each calling
+  torch.distributed.init_process_group("gloo", init_method="env://", timeout=...) with
+  RANK, WORLD_SIZE, MASTER_ADDR/PORT on loopback and TORCHELASTIC_USE_AGENT_STORE=True
+  (every rank a client, as pyddp's) against a torch TCPStore this script hosts, with
+  TORCH_GLOO_LAZY_INIT=1 (pairs connect on first use, as pyddp's links do), then
+  torch.distributed.all_reduce. Its init includes the store connection and torch's
+  Python-level init, as pyddp's does, and with it the reverse DNS lookup torch's store
+  client makes of its own socket's address on connecting (getnameinfo of
+  ::ffff:127.0.0.1, which /etc/hosts does not answer): where the DNS server drops
+  queries that arrive together, each dropped one costs a resolver timeout (glibc's
+  5 s, or RES_OPTIONS="timeout:T attempts:1", which passes through to the ranks).
+  torch's store counts no requests: its "store req" is "-". --gloo-threads-mode runs
+  the older variant instead, not like for like: ranks as threads, at most
+  --gloo-threads per process, each with its own torch TCPStore client to a pyddp store
+  (connected before the start gate, so not timed, and counted in store req) and
+  torch.distributed.ProcessGroupGloo(store, rank, N, timeout) alone; the goal against
+  gloo is then SKIP.
 
 Columns: init (s): from the moment every rank is released at once (all ranks ready, one
 gate opened) to the last rank's init returning (store connection included); sockets/rank:
 socket descriptors the ranks hold after the all-reduces (store client, listener, links)
 divided by N, the store server's own not counted; store req: requests the store served
 from the start to the end of the all-reduces (VALIDATE and PING of each connection
-included); first / steady (ms): the first 8-byte all-reduce (float64 x1, SUM), started by
-every rank at once after all have initialised, slowest rank; and the median of the next
---iters, median over ranks. Results are checked against the sum of the ranks.
+included; "-" for torch's store, which has no such counter); first / steady (ms): the
+first 8-byte all-reduce (float64 x1, SUM), started by every rank at once after all have
+initialised, slowest rank; and the median of the next --iters, median over ranks.
+Results are checked against the sum of the ranks.
 
 Every run uses PYDDP_SHM_DISABLE=1 (every pair on TCP, as ranks on separate hosts)
 unless --shm; other PYDDP_* variables pass through. A size that fails (a rank's error,
@@ -70,7 +84,11 @@ def parse(argv=None):
     p.add_argument("--iters", type=int, default=20, help="steady all-reduces after the first")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds: every wait of a run (a size past it fails)")
-    p.add_argument("--gloo-threads", type=int, default=32, help="gloo ranks per process")
+    p.add_argument("--gloo-threads-mode", action="store_true",
+                   help="gloo ranks as threads calling ProcessGroupGloo directly (not "
+                        "like-for-like; the default is one forked process per rank)")
+    p.add_argument("--gloo-threads", type=int, default=32,
+                   help="--gloo-threads-mode: gloo ranks per process")
     p.add_argument("--shm", action="store_true", help="leave PYDDP_SHM_DISABLE unset")
     p.add_argument("--no-c", action="store_true")
     p.add_argument("--no-py", action="store_true")
@@ -145,7 +163,7 @@ def run_c(args, n):
             "error": f"exit status {proc.returncode}: {(err or out).strip()[-400:]}"}
 
 
-# ---- Python ranks (pyddp processes, gloo threads) --------------------------------
+# ---- Python ranks (pyddp processes, gloo processes or threads) -------------------
 
 class Lines:
     """Lines from the report pipe, read with deadlines."""
@@ -175,11 +193,21 @@ class Lines:
 
 
 def run_ranks(args, kind, n):
-    """One world of n ranks of kind "pyddp" or "gloo" (see the module docstring) against
-    a pyddp store server hosted here; the result dict (ok False with the reason)."""
-    from pyddp import _C
-    srv = _C.StoreServer()
-    port = srv.start("127.0.0.1", 0)
+    """One world of n ranks of kind "pyddp", "gloo" (processes) or "gloo-threads" (see
+    the module docstring) against a store server hosted here (pyddp's; torch's TCPStore
+    for "gloo"); the result dict (ok False with the reason)."""
+    if kind == "gloo":
+        import torch.distributed as tdist
+        from datetime import timedelta
+        tstore = tdist.TCPStore("127.0.0.1", 0, None, True,
+                                timeout=timedelta(seconds=args.timeout),
+                                wait_for_workers=False)
+        srv, port = None, tstore.port
+    else:
+        from pyddp import _C
+        tstore, srv = None, _C.StoreServer()
+        port = srv.start("127.0.0.1", 0)
+    requests = lambda: srv.requests if srv is not None else None  # noqa: E731
     env = base_env(args)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                TORCHELASTIC_USE_AGENT_STORE="True", TORCH_GLOO_LAZY_INIT="1",
@@ -192,8 +220,8 @@ def run_ranks(args, kind, n):
     res = {"n": n, "ok": False, "kind": kind}
     try:
         common = [str(args.iters), str(args.timeout)] + fdargs
-        if kind == "pyddp":
-            cmds = [[sys.executable, WORKER, "pyddp-fork", str(n)] + common]
+        if kind in ("pyddp", "gloo"):
+            cmds = [[sys.executable, WORKER, kind + "-fork", str(n)] + common]
             res["how"] = "1 process per rank (forked)"
         else:
             t = max(1, args.gloo_threads)
@@ -228,10 +256,10 @@ def run_ranks(args, kind, n):
         os.write(gates[0][1], b"x")
         phase("init", args.timeout)
         res["init_s"] = max(float(v) for v in seen["init"].values()) - t_go
-        res["store_requests_init"] = srv.requests
+        res["store_requests_init"] = requests()
         os.write(gates[1][1], b"x")
         phase("done", args.timeout)
-        res["store_requests"] = srv.requests
+        res["store_requests"] = requests()
         res["sockets_per_rank"] = sum(count_sockets(pid) for pid in rank_pids) / n
         firsts = [float(v.split()[0]) for v in seen["done"].values()]
         steadies = sorted(float(v.split()[1]) for v in seen["done"].values())
@@ -255,7 +283,9 @@ def run_ranks(args, kind, n):
             p.wait(timeout=30)
         for fd in child_fds + [rep_r] + [g[1] for g in gates]:
             os.close(fd)
-        srv.stop()
+        if srv is not None:
+            srv.stop()
+        del tstore   # torch's server stops with its last reference
         log.close()
     return res
 
@@ -285,13 +315,15 @@ def table(title, rows):
         if not r.get("ok"):
             print(f"{r['n']:>6}   FAILED: {r.get('error', '?')}")
             continue
+        req = "-" if r["store_requests"] is None else r["store_requests"]
         print(f"{r['n']:>6} {r['init_s']:>9.3f} {r['sockets_per_rank']:>10.1f} "
-              f"{r['store_requests']:>10} {r['first_us'] / 1e3:>10.2f} "
+              f"{req:>10} {r['first_us'] / 1e3:>10.2f} "
               f"{r['steady_us'] / 1e3:>10.2f}")
 
 
-def goals(c_rows, py_rows, gloo_rows):
-    """The PASS/FAIL lines of the goals (SKIP where a size was not run)."""
+def goals(c_rows, py_rows, gloo_rows, gloo_threads=False):
+    """The PASS/FAIL lines of the goals (SKIP where a size was not run, and for the goal
+    against gloo where gloo ran as threads: that goal is against gloo's processes)."""
     out = []
     c1024 = next((r for r in c_rows if r["n"] == 1024), None)
     if c1024 is None:
@@ -313,7 +345,10 @@ def goals(c_rows, py_rows, gloo_rows):
                    f"worst {worst[0]:.1f} ({worst[1]} N={worst[2]})")
     p = next((r for r in py_rows if r["n"] == 256), None)
     g = next((r for r in gloo_rows if r["n"] == 256), None)
-    if p is None or g is None:
+    if gloo_threads:
+        out.append("SKIP  256 Python ranks init >= 3x faster than gloo: gloo ran as "
+                   "threads (--gloo-threads-mode); the goal is against gloo's processes")
+    elif p is None or g is None:
         out.append("SKIP  256 Python ranks init >= 3x faster than gloo: N=256 not run "
                    "for both")
     elif not p.get("ok") or not g.get("ok"):
@@ -348,12 +383,18 @@ def main(argv=None):
         table("pyddp Python ranks (one forked process per rank)", py_rows)
     if not args.no_gloo:
         for n in args.gloo_sizes:
-            gloo_rows.append(run_ranks(args, "gloo", n))
+            gloo_rows.append(run_ranks(args, "gloo-threads" if args.gloo_threads_mode
+                                       else "gloo", n))
             print(f"  gloo N={n}: {json.dumps(gloo_rows[-1])[:300]}", flush=True)
-        table(f"torch gloo, TORCH_GLOO_LAZY_INIT=1 (ranks as threads, at most "
-              f"{args.gloo_threads} per process)", gloo_rows)
+        if args.gloo_threads_mode:
+            table(f"torch gloo, TORCH_GLOO_LAZY_INIT=1 (ranks as threads, at most "
+                  f"{args.gloo_threads} per process; ProcessGroupGloo alone, store "
+                  f"clients connected before the gate)", gloo_rows)
+        else:
+            table("torch gloo, TORCH_GLOO_LAZY_INIT=1 (one forked process per rank, "
+                  "init_process_group env://; torch's store: no request count)", gloo_rows)
     print()
-    for line in goals(c_rows, py_rows, gloo_rows):
+    for line in goals(c_rows, py_rows, gloo_rows, args.gloo_threads_mode):
         print(line)
     if args.json:
         with open(args.json, "w") as f:

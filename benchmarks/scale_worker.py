@@ -6,7 +6,7 @@ launcher writes a byte to it; every rank polls the same pipe without reading it,
 one write releases them all at once. Ranks report one line each (shorter than
 PIPE_BUF, so lines from many processes never interleave) on the report pipe:
 
-    ready <rank> <pid>                       at the first gate, pyddp imported
+    ready <rank> <pid>                       at the first gate, the library imported
     init <rank> <t_done>                     init finished (time.monotonic(), which is
                                              the same clock in every process)
     done <rank> <first_s> <steady_s>         after the all-reduces (first, median)
@@ -22,12 +22,22 @@ Modes:
         and WORLD_SIZE and calls pyddp.init_process_group() the env:// way against the
         store the launcher hosts at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE
         =True: as under torchrun, no rank hosts it).
-  gloo FIRST COUNT N ITERS TIMEOUT_S G0 G1 G2 REP   ranks FIRST..FIRST+COUNT-1 of N as
-        threads of this process, each with its own torch TCPStore client (connected
-        before the first gate, so not in the init time) and a
-        torch.distributed.ProcessGroupGloo(store, rank, N, timeout) (TORCH_GLOO_LAZY_INIT
-        is set by the launcher). torch processes are large, so gloo's ranks share a few.
+  gloo-fork N ITERS TIMEOUT_S G0 G1 G2 REP    the same for torch's gloo: a zygote imports
+        torch and torch.distributed once and forks N ranks; each sets RANK and
+        WORLD_SIZE and calls torch.distributed.init_process_group("gloo",
+        init_method="env://", timeout=...) against the torch TCPStore the launcher hosts
+        at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True: every rank a
+        client; TORCH_GLOO_LAZY_INIT=1 is set by the launcher), then dist.all_reduce.
+  gloo FIRST COUNT N ITERS TIMEOUT_S G0 G1 G2 REP   (scale.py --gloo-threads-mode, not
+        like-for-like) ranks FIRST..FIRST+COUNT-1 of N as threads of this process, each
+        with its own torch TCPStore client (connected before the first gate, so not in
+        the init time) and a torch.distributed.ProcessGroupGloo(store, rank, N, timeout).
+
+Both zygotes check that they run a single thread when they fork (a thread in the zygote
+would be missing, with whatever lock it held, in every rank), and call gc.freeze() first
+so that the ranks' garbage collections do not write to (and so copy) the shared pages.
 """
+import gc
 import os
 import select
 import statistics
@@ -88,20 +98,60 @@ def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
     pyddp.destroy_process_group()
 
 
-def run_pyddp_fork(args):
-    """The zygote: import pyddp, fork N ranks, wait for them (each bounded by its gates'
-    deadlines; the launcher kills them by pid besides)."""
+def gloo_rank(rank, n, iters, timeout_s, gates, rep):
+    """One gloo rank (in a forked process): gate, init, gate, all-reduces, gate, exit."""
+    import torch
+    import torch.distributed as dist
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(n)
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+    report(rep, f"ready {rank} {os.getpid()}")
+    wait_gate(gates[0], timeout_s)
+    dist.init_process_group("gloo", init_method="env://",
+                            timeout=timedelta(seconds=timeout_s))
+    report(rep, f"init {rank} {time.monotonic():.6f}")
+    wait_gate(gates[1], timeout_s)
+    x = torch.zeros(1, dtype=torch.float64)
+    want = n * (n - 1) / 2
+
+    def one():
+        x[0] = rank
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        if x.item() != want:
+            raise AssertionError(f"all-reduce gave {x.item()}, expected {want}")
+    first, steady = timed_allreduces(one, iters)
+    report(rep, f"done {rank} {first:.6f} {steady:.6f}")
+    wait_gate(gates[2], timeout_s)
+    dist.destroy_process_group()
+
+
+def threads_now():
+    """The number of threads of this process."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def run_fork(args, mods, rank_fn):
+    """The zygote: import mods, fork N ranks running rank_fn, wait for them (each bounded
+    by its gates' deadlines; the launcher kills them by pid besides)."""
     n, iters, timeout_s = int(args[0]), int(args[1]), float(args[2])
     gates, rep = [int(a) for a in args[3:6]], int(args[6])
-    for mod in ("numpy", "pyddp"):   # imported once here, shared by the forked ranks
+    for mod in mods:   # imported once here, shared by the forked ranks
         __import__(mod)
+    if "torch" in mods:
+        import torch
+        torch.get_num_threads()   # must not start a pool (OMP_NUM_THREADS=1 is set)
+    k = threads_now()
+    if k != 1:
+        report(rep, f"fail zygote: {k} threads before forking (must be 1)")
+        sys.exit(1)
+    gc.collect()
+    gc.freeze()   # the ranks' collections then leave the shared pages unwritten
     pids = []
     for rank in range(n):
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                pyddp_rank(rank, n, iters, timeout_s, gates, rep)
+                rank_fn(rank, n, iters, timeout_s, gates, rep)
             except BaseException as e:  # noqa: BLE001 - reported, then the rank exits
                 report(rep, f"fail {rank} {type(e).__name__}: {e}")
                 code = 1
@@ -165,7 +215,9 @@ def run_gloo(args):
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "pyddp-fork":
-        run_pyddp_fork(sys.argv[2:])
+        run_fork(sys.argv[2:], ("numpy", "pyddp"), pyddp_rank)
+    elif mode == "gloo-fork":
+        run_fork(sys.argv[2:], ("torch", "torch.distributed"), gloo_rank)
     elif mode == "gloo":
         run_gloo(sys.argv[2:])
     else:
