@@ -1,7 +1,8 @@
 """``python -m pyddp.doctor`` under torchrun (RANK and WORLD_SIZE set): every rank
 gathers its node's facts, rank 0 prints one table with a row per rank (marking what
-differs), the findings, and a short all_reduce between all ranks and over each kind of
-link (shared memory, TCP); every rank exits with rank 0's verdict.
+differs), the findings, an all_to_all that makes every pair's link (every rank reaches
+every other's data port), and a short all_reduce between all ranks and over each kind
+of link (shared memory, TCP); every rank exits with rank 0's verdict.
 
 The facts travel through the job's store (keys under
 ``/pyddp/<run id>/<restart count>/doctor/``), not through the process group: a job
@@ -96,6 +97,13 @@ def measure(args, rank, world):
     each group of plan(). Collective: every rank calls it. Returns (rows, error) where
     rows are (label, ranks, pairs, seconds for 8 B, seconds for args.bytes)."""
     pg = _group.default_pg()
+    # Links are made on first use: one all_to_all makes every pair's (and so checks
+    # that every rank reaches every other's data port) before the kinds are read.
+    ones = np.full(world, rank, dtype=np.int64)
+    got = np.empty(world, dtype=np.int64)
+    collectives.all_to_all_single(got, ones)
+    if list(got) != list(range(world)):
+        return [], f"all_to_all gave {list(got)}, not {list(range(world))}"
     matrix = [None] * world
     _objects.all_gather_object(matrix, [pg.transport(r) for r in range(world)])
     x = np.array([rank + 1.0])
