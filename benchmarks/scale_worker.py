@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 
 def wait_gate(fd, timeout_s):
@@ -73,55 +74,51 @@ def timed_allreduces(one, iters):
     return first, statistics.median(steady) if steady else 0.0
 
 
-def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
-    """One pyddp rank (in a forked process): gate, init, gate, all-reduces, gate, exit."""
-    import numpy as np
-    import pyddp
+def forked_rank(rank, n, iters, timeout_s, gates, rep, lib):
+    """One rank in a forked process, either library alike: gate, lib.init(), gate, the
+    timed 8-byte all-reduces (lib.zeros, lib.all_reduce, lib.value), gate, lib.destroy()."""
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(n)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
     report(rep, f"ready {rank} {os.getpid()}")
     wait_gate(gates[0], timeout_s)
-    pyddp.init_process_group("cpu", timeout=timedelta(seconds=timeout_s))
+    lib.init(timedelta(seconds=timeout_s))
     report(rep, f"init {rank} {time.monotonic():.6f}")
     wait_gate(gates[1], timeout_s)
-    x = np.zeros(1, dtype=np.float64)
+    x = lib.zeros()
     want = n * (n - 1) / 2
 
     def one():
         x[0] = rank
-        pyddp.all_reduce(x)
-        if x[0] != want:
-            raise AssertionError(f"all-reduce gave {x[0]}, expected {want}")
+        lib.all_reduce(x)
+        if lib.value(x) != want:
+            raise AssertionError(f"all-reduce gave {lib.value(x)}, expected {want}")
     first, steady = timed_allreduces(one, iters)
     report(rep, f"done {rank} {first:.6f} {steady:.6f}")
     wait_gate(gates[2], timeout_s)
-    pyddp.destroy_process_group()
+    lib.destroy()
+
+
+def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
+    """One pyddp rank: init_process_group("cpu") the env:// way."""
+    import numpy as np
+    import pyddp
+    lib = SimpleNamespace(init=lambda t: pyddp.init_process_group("cpu", timeout=t),
+                          zeros=lambda: np.zeros(1, dtype=np.float64),
+                          all_reduce=pyddp.all_reduce, value=lambda x: float(x[0]),
+                          destroy=pyddp.destroy_process_group)
+    forked_rank(rank, n, iters, timeout_s, gates, rep, lib)
 
 
 def gloo_rank(rank, n, iters, timeout_s, gates, rep):
-    """One gloo rank (in a forked process): gate, init, gate, all-reduces, gate, exit."""
+    """One gloo rank: torch's init_process_group("gloo", init_method="env://")."""
     import torch
     import torch.distributed as dist
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(n)
-    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
-    report(rep, f"ready {rank} {os.getpid()}")
-    wait_gate(gates[0], timeout_s)
-    dist.init_process_group("gloo", init_method="env://",
-                            timeout=timedelta(seconds=timeout_s))
-    report(rep, f"init {rank} {time.monotonic():.6f}")
-    wait_gate(gates[1], timeout_s)
-    x = torch.zeros(1, dtype=torch.float64)
-    want = n * (n - 1) / 2
-
-    def one():
-        x[0] = rank
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        if x.item() != want:
-            raise AssertionError(f"all-reduce gave {x.item()}, expected {want}")
-    first, steady = timed_allreduces(one, iters)
-    report(rep, f"done {rank} {first:.6f} {steady:.6f}")
-    wait_gate(gates[2], timeout_s)
-    dist.destroy_process_group()
+    lib = SimpleNamespace(
+        init=lambda t: dist.init_process_group("gloo", init_method="env://", timeout=t),
+        zeros=lambda: torch.zeros(1, dtype=torch.float64),
+        all_reduce=lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM),
+        value=lambda x: x.item(), destroy=dist.destroy_process_group)
+    forked_rank(rank, n, iters, timeout_s, gates, rep, lib)
 
 
 def threads_now():

@@ -8,7 +8,6 @@ rendezvous (benchmarks/scale.py measures the same up to 1,024 ranks)."""
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from argparse import Namespace
