@@ -158,6 +158,60 @@ static ddp_status wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *s
     return DDP_OK;
 }
 
+/* Rank 0: every rank's line into c->lines: one WAIT for all the keys (in
+ * slices, watching for authentication failures) and one MULTI_GET. A rank
+ * that never came is named. */
+static ddp_status gather_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                               ddp_wait w, int64_t t0) {
+    const size_t n = (size_t)c->size;
+    char **keys = calloc(n, sizeof *keys);
+    size_t *klens = calloc(n, sizeof *klens), *vlens = calloc(n, sizeof *vlens);
+    void **vals = calloc(n, sizeof *vals);
+    ddp_status st = keys && klens && vlens && vals ? DDP_OK
+                                                   : ddp_error(DDP_ERR_NOMEM, "out of memory");
+    for (size_t r = 0; st == DDP_OK && r < n; r++) {
+        size_t len = strlen(cfg->prefix) + 32;
+        if ((keys[r] = malloc(len)) == NULL) st = ddp_error(DDP_ERR_NOMEM, "out of memory");
+        else klens[r] = (size_t)snprintf(keys[r], len, "%s/rank/%zu", cfg->prefix, r);
+    }
+    while (st == DDP_OK) {
+        st = ddp_store_wait(store, (const char *const *)keys, klens, n, poll_slice(w));
+        if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w)) break;
+        if ((st = auth_watch(c, cfg, store, t0, "every rank's address", w)) != DDP_OK) break;
+    }
+    if (st == DDP_ERR_TIMEOUT) {   /* name the first rank that did not come */
+        size_t r = 0;
+        for (int ready = 1; r < n && ready; r++)
+            if (ddp_store_check(store, (const char *const *)&keys[r], &klens[r], 1, &ready,
+                                ddp_wait_for(2000, cfg->abort)) != DDP_OK)
+                break;
+        r = r ? r - 1 : 0;
+        st = ddp_error(DDP_ERR_TIMEOUT, "rank %d: rank %zu did not join the process group "
+                       "within %.1f s (waiting for store key %s on %s). Check that all %d "
+                       "ranks were started with the same WORLD_SIZE and store address.",
+                       c->rank, r, cfg->timeout_ms / 1000.0, keys[r], ddp_store_peer(store),
+                       c->size);
+    } else if (st == DDP_OK) {
+        st = ddp_store_multi_get(store, (const char *const *)keys, klens, n, vals, vlens, w);
+        if (st != DDP_OK) ddp_error_prefix(st, "rank %d reading the ranks' addresses: ", c->rank);
+    }
+    for (size_t r = 0; r < n; r++) {
+        if (st == DDP_OK && (c->lines[r] = malloc(vlens[r] + 1)) == NULL)
+            st = ddp_error(DDP_ERR_NOMEM, "out of memory");
+        if (st == DDP_OK) {
+            memcpy(c->lines[r], vals[r], vlens[r]);
+            c->lines[r][vlens[r]] = '\0';
+        }
+        if (vals) free(vals[r]);
+        if (keys) free(keys[r]);
+    }
+    free(keys);
+    free(klens);
+    free(vlens);
+    free(vals);
+    return st;
+}
+
 /* A growing text buffer for the table. */
 typedef struct text {
     char *p;
@@ -248,7 +302,7 @@ static ddp_status read_table(ddp_comm *c, char *tab) {
  * the table; the others read it. c->lines is filled on every rank. */
 static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
                                  int port, int nsocks, ddp_wait w, int64_t t0) {
-    char key[600], line[1200], what[64];
+    char key[600], line[1200];
     snprintf(line, sizeof line, "ver=%s;wire=%d;addr=%s;port=%d;host=%s;nsocks=%d",
              cfg->version, DDP_WIRE_VERSION, cfg->advertise_host, port, cfg->host_id, nsocks);
     snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, cfg->rank);
@@ -272,18 +326,7 @@ static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_st
         free(tab);
         return st;
     }
-    for (int r = 0; r < c->size && st == DDP_OK; r++) {
-        snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, r);
-        snprintf(what, sizeof what, "rank %d's address", r);
-        st = wait_get(c, cfg, store, key, what, w, t0, &c->lines[r]);
-        if (st == DDP_ERR_TIMEOUT)
-            st = ddp_error(st, "rank %d: rank %d did not join the process group within %.1f s "
-                           "(waiting for store key %s on %s). Check that all %d ranks were "
-                           "started with the same WORLD_SIZE and store address.", c->rank, r,
-                           cfg->timeout_ms / 1000.0, key, ddp_store_peer(store), c->size);
-        else if (st != DDP_OK)
-            ddp_error_prefix(st, "rank %d reading rank %d's address: ", c->rank, r);
-    }
+    st = gather_lines(c, cfg, store, w, t0);
     if (st == DDP_OK) st = check_versions(c);
     if (st == DDP_OK) st = check_settings(c);
     text t = {0};

@@ -101,6 +101,11 @@ ddp_status ddp_store_append(ddp_store *s, const char *key, size_t klen,
  * DDP_ERR_TIMEOUT naming the first missing key. */
 ddp_status ddp_store_wait(ddp_store *s, const char *const *keys,
                           const size_t *klens, size_t n, ddp_wait w);
+/* Wait until all n keys exist (as ddp_store_wait), then read them in one
+ * MULTI_GET: vals[i] (malloc'd, the caller frees each) and vlens[i]. On
+ * failure every vals[i] is NULL. */
+ddp_status ddp_store_multi_get(ddp_store *s, const char *const *keys, const size_t *klens,
+                               size_t n, void **vals, size_t *vlens, ddp_wait w);
 /* *ready = 1 if all keys exist. */
 ddp_status ddp_store_check(ddp_store *s, const char *const *keys,
                            const size_t *klens, size_t n, int *ready, ddp_wait w);

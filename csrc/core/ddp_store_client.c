@@ -451,6 +451,29 @@ ddp_status ddp_store_get(ddp_store *s, const char *key, size_t klen, void **val,
     return done(s, st, "get");
 }
 
+ddp_status ddp_store_multi_get(ddp_store *s, const char *const *keys, const size_t *klens,
+                               size_t n, void **vals, size_t *vlens, ddp_wait w) {
+    for (size_t i = 0; i < n; i++) vals[i] = NULL;
+    ddp_status st = begin(s, w, DDP_Q_WAIT);
+    if (st != DDP_OK) return st;
+    st = wait_locked(s, keys, klens, n, w);
+    int64_t floor = ddp_now_ms() + DDP_STORE_GRACE_MS;   /* the values are owed now */
+    if (w.deadline_ms < floor) w.deadline_ms = floor;
+    if (st == DDP_OK) {
+        s->req.start = s->req.len = 0;
+        ddp_wbuf_u8(&s->req, DDP_Q_MULTI_GET);
+        put_keys(s, keys, klens, n);
+        st = send_req(s, w);
+    }
+    for (size_t i = 0; st == DDP_OK && i < n; i++) st = recv_value(s, &vals[i], &vlens[i], w);
+    if (st != DDP_OK)
+        for (size_t i = 0; i < n; i++) {
+            free(vals[i]);
+            vals[i] = NULL;
+        }
+    return done(s, st, "multi_get");
+}
+
 ddp_status ddp_store_check(ddp_store *s, const char *const *keys, const size_t *klens,
                            size_t n, int *ready, ddp_wait w) {
     for (size_t i = 0; i < n; i++)

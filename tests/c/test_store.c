@@ -511,6 +511,25 @@ static void test_request_count(void) {
     /* A burst of small ones. */
     for (int i = 0; i < 100; i++) T_OK(ddp_store_add(s, K("/c"), 1, &r, W(5000)));
     T_ASSERT(ddp_store_server_requests(srv) == n0 + 105);
+    /* multi_get: the values in the keys' order, in two requests (WAIT, MULTI_GET) */
+    T_OK(ddp_store_set(s, K("/m1"), "one", 3, W(5000)));
+    T_OK(ddp_store_num_keys(s, &r, W(5000)));   /* a reply: the SET was served before it */
+    const char *keys[3] = {"/m1", "/k", "/m1"};
+    size_t klens[3] = {3, 2, 3}, vlens[3];
+    void *vals[3];
+    uint64_t before = ddp_store_server_requests(srv);
+    T_OK(ddp_store_multi_get(s, keys, klens, 3, vals, vlens, W(5000)));
+    T_ASSERT(ddp_store_server_requests(srv) == before + 2);
+    T_ASSERT(vlens[0] == 3 && memcmp(vals[0], "one", 3) == 0);
+    T_ASSERT(vlens[1] == 1 && memcmp(vals[1], "v", 1) == 0);
+    T_ASSERT(vlens[2] == 3 && memcmp(vals[2], "one", 3) == 0);
+    for (int i = 0; i < 3; i++) free(vals[i]);
+    /* a missing key: the wait times out, nothing is handed out, the client still works */
+    keys[1] = "/absent";
+    klens[1] = 7;
+    T_STATUS(ddp_store_multi_get(s, keys, klens, 3, vals, vlens, W(300)), DDP_ERR_TIMEOUT);
+    T_ASSERT(vals[0] == NULL && vals[1] == NULL && vals[2] == NULL);
+    expect_value(s, "/k", "v");
     ddp_store_close(s);
     ddp_store_server_stop(srv);
 }
