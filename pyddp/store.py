@@ -167,6 +167,12 @@ class TCPStore:
         ms = None if timeout is None else _to_ms(timeout)
         self._client.wait(self._wire_keys(keys), ms)
 
+    def multi_get(self, keys):
+        """The values of keys, as a list of bytes, waiting up to the store timeout for
+        every one (torch's ``Store.multi_get``): one wait and one read, whatever the
+        number of keys."""
+        return self._client.multi_get(self._wire_keys(keys))
+
     def check(self, keys):
         """True if every key in keys exists right now."""
         return self._client.check(self._wire_keys(keys))

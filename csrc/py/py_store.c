@@ -38,7 +38,7 @@ static PyTypeObject *ClientType, *ServerType;
 /* ---- one store call, run with the GIL released ----------------------- */
 
 enum { OP_SET, OP_GET, OP_ADD, OP_APPEND, OP_WAIT, OP_CHECK, OP_CAS, OP_DELETE,
-       OP_NUMKEYS, OP_CONNECT };
+       OP_NUMKEYS, OP_CONNECT, OP_MGET };
 
 typedef struct {
     int op;
@@ -53,6 +53,8 @@ typedef struct {
     int64_t num;                     /* ADD delta in; ADD/DELETE/NUMKEYS result out */
     int ready;                       /* CHECK result */
     void *out;                       /* GET / COMPARE_SET result (malloc'd) */
+    void **vals;                     /* MULTI_GET results (each malloc'd) */
+    size_t *vlens;
     size_t outlen;
     ddp_status st;
     char msg[2048];                  /* the error, copied off the calling thread */
@@ -85,6 +87,9 @@ static void call_run(void *p) {
         break;
     case OP_DELETE: c->st = ddp_store_delete(c->s, k, kl, &c->num, c->w); break;
     case OP_NUMKEYS: c->st = ddp_store_num_keys(c->s, &c->num, c->w); break;
+    case OP_MGET:
+        c->st = ddp_store_multi_get(c->s, c->keys, c->klens, c->nkeys, c->vals, c->vlens, c->w);
+        break;
     }
     if (c->st != DDP_OK) ddp_copy_error(c->msg, sizeof c->msg);
 }
@@ -100,6 +105,9 @@ static void call_release(call *c) {
     if (c->key.obj) PyBuffer_Release(&c->key);
     if (c->val.obj) PyBuffer_Release(&c->val);
     if (c->val2.obj) PyBuffer_Release(&c->val2);
+    for (size_t i = 0; c->vals && i < c->nkeys; i++) free(c->vals[i]);
+    PyMem_Free(c->vals);
+    PyMem_Free(c->vlens);
     PyMem_Free(c->keys);
     PyMem_Free(c->klens);
     free(c->out);
@@ -119,7 +127,7 @@ static int call_do(ClientObject *self, call *c) {
     c->s = self->s;
     ddp_store_retain(c->s);
     int rc = 0;
-    if (c->op == OP_WAIT || c->op == OP_GET) {
+    if (c->op == OP_WAIT || c->op == OP_GET || c->op == OP_MGET) {
         rc = ddp_py_run_abortable(call_run, c, &c->abort);
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -259,6 +267,36 @@ static PyObject *cl_keys(ClientObject *self, PyObject *args, int op) {
 }
 
 static PyObject *cl_wait(ClientObject *self, PyObject *args) { return cl_keys(self, args, OP_WAIT); }
+
+/* multi_get(keys) -> [bytes]: waits for every key, then one MULTI_GET. */
+static PyObject *cl_multi_get(ClientObject *self, PyObject *args) {
+    PyObject *seq, *fast = NULL, *out = NULL;
+    call c;
+    if (!PyArg_ParseTuple(args, "O:multi_get", &seq)) return NULL;
+    call_init(&c, OP_MGET, self->timeout_ms);
+    if (parse_keys(&c, seq, &fast) < 0) goto fail;
+    c.vals = PyMem_Calloc(c.nkeys ? c.nkeys : 1, sizeof *c.vals);
+    c.vlens = PyMem_Calloc(c.nkeys ? c.nkeys : 1, sizeof *c.vlens);
+    if (c.vals == NULL || c.vlens == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int rc = call_do(self, &c);   /* releases c on failure */
+    Py_DECREF(fast);
+    if (rc < 0) return NULL;
+    out = PyList_New((Py_ssize_t)c.nkeys);
+    for (size_t i = 0; out && i < c.nkeys; i++) {
+        PyObject *b = PyBytes_FromStringAndSize(c.vals[i], (Py_ssize_t)c.vlens[i]);
+        if (b == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, b);
+    }
+    call_release(&c);
+    return out;
+fail:
+    Py_XDECREF(fast);
+    call_release(&c);
+    return NULL;
+}
 static PyObject *cl_check(ClientObject *self, PyObject *args) {
     return cl_keys(self, args, OP_CHECK);
 }
@@ -333,6 +371,8 @@ static PyMethodDef cl_methods[] = {
     {"wait", (PyCFunction)cl_wait, METH_VARARGS,
      "wait(keys, timeout_ms=None): wait until every key exists."},
     {"check", (PyCFunction)cl_check, METH_VARARGS, "check(keys) -> bool"},
+    {"multi_get", (PyCFunction)cl_multi_get, METH_VARARGS,
+     "multi_get(keys) -> [bytes] (waits for every key, then one request)"},
     {"compare_set", (PyCFunction)cl_compare_set, METH_VARARGS,
      "compare_set(key, expected, desired) -> bytes"},
     {"delete_key", (PyCFunction)cl_delete_key, METH_VARARGS, "delete_key(key) -> bool"},

@@ -74,7 +74,7 @@ def _lead(store, base, nonce, world_size, deadline, timeout_s):
         raise _C.DistTimeoutError(
             f"waited {timeout_s:.0f} s for ranks {late} to start in the rendezvous round; "
             f"check that every node was started for this job") from None
-    nonces = [nonce] + [store.get(hello[r]).decode() for r in range(1, world_size)]
+    nonces = [nonce] + [v.decode() for v in _read_all(store, hello[1:])]
     attempt, old = 0, None
     while True:
         name = f"{nonce[:16]}.{attempt}"
@@ -89,7 +89,8 @@ def _lead(store, base, nonce, world_size, deadline, timeout_s):
                 looked = now
                 missing = [r for r in range(1, world_size)
                            if not store.check([f"{base}/ack/{name}/{r}"])]
-                changed = [r for r in missing if store.get(hello[r]).decode() != nonces[r]]
+                now_n = dict(zip(missing, _read_all(store, [hello[r] for r in missing])))
+                changed = [r for r in missing if now_n[r].decode() != nonces[r]]
                 if changed:
                     break
                 if missing and now >= deadline:
@@ -104,6 +105,15 @@ def _lead(store, base, nonce, world_size, deadline, timeout_s):
         for r in changed:
             nonces[r] = store.get(hello[r]).decode()
         attempt, old = attempt + 1, name
+
+
+def _read_all(store, keys):
+    """The values of keys that exist: one request on pyddp's store; one per key on a
+    store without multi_get (torch's under the torch backend)."""
+    if not keys:
+        return []
+    multi = getattr(store, "multi_get", None)
+    return multi(keys) if multi is not None else [store.get(k) for k in keys]
 
 
 def _wait(store, key, deadline, timeout_s, what):
