@@ -640,3 +640,26 @@ def test_server_counts_requests():
     finally:
         srv.stop()
     assert srv.requests == 0
+
+
+def test_multi_get_on_pyddp_and_torch_servers():
+    """TCPStore.multi_get: the values in the keys' order, against pyddp's server and
+    torch's; a key that never comes is a timeout, and the client still works."""
+    import torch.distributed as td
+    for torch_server in (False, True):
+        srv = (td.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False) if torch_server else
+               TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        c = TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=10))
+        c.set("a", b"1")
+        c.set("b", "two")
+        assert c.multi_get(["b", "a", "b"]) == [b"two", b"1", b"two"]
+        assert c.multi_get([]) == []
+        c.set_timeout(timedelta(milliseconds=300))
+        with pytest.raises(_C.DistTimeoutError, match="never"):
+            c.multi_get(["a", "never"])
+        c.set_timeout(timedelta(seconds=10))
+        assert c.get("a") == b"1"
+        c.close()
+        if not torch_server:
+            srv.close()
