@@ -17,10 +17,9 @@ the same buffers, and alternates rounds of the two (pyddp, gloo, pyddp, gloo, ..
 machine noise hits both alike; every round starts after a barrier (so no round is
 charged with bytes of the one before still crossing a slow link, which a broadcast's
 root or an early finisher would otherwise leave behind); each side's time is the
-median of its rounds, and the
-last column is pyddp's busbw over gloo's. ``--tcp-stream`` first measures one plain
-TCP stream from rank 1 to rank 0 over the address pyddp uses, as the yardstick for
-links between hosts. The timed buffers are the same every iteration (results of one
+median of its rounds, and the last column is pyddp's busbw over gloo's.
+``--tcp-stream`` first measures one plain TCP stream from rank 1 to rank 0 over the
+address pyddp uses, as the yardstick for links between hosts. The timed buffers are the same every iteration (results of one
 call feed the next), as in nccl-tests; the numbers measure transport and reduction,
 never Python-side copies.
 
