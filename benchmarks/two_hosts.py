@@ -6,6 +6,8 @@ against one plain TCP stream over the same link, in one run.
     sudo python benchmarks/two_hosts.py --rate 2gbit       # the link, not the CPU, limits
     sudo python benchmarks/two_hosts.py --per-host 1,2,4 --rate 512mbit,2gbit \
         -- -b 1M -e 64M -f 4 --ops all_reduce --compare-flat   # hierarchical vs flat vs gloo
+    sudo python benchmarks/two_hosts.py --per-host 4 --rate 512mbit \
+        -- -b 1M -e 64M -f 4 --ops all_reduce,broadcast --compare-flat -r 5  # 2 x 4 ranks
     sudo python benchmarks/two_hosts.py --per-host 2 --rate 512mbit --ddp-step -- --hidden 2048
     sudo python benchmarks/two_hosts.py --flow-rate 2gbit --nsocks 1,2,4 -- -b 1M -e 64M \
         --ops all_reduce                                   # a cloud's per-flow cap

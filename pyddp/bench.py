@@ -14,10 +14,12 @@ on patterned data and counts the elements that differ from a NumPy reference.
 
 ``--compare-gloo`` also initialises torch's gloo backend in the same processes, over
 the same buffers, and alternates rounds of the two (pyddp, gloo, pyddp, gloo, ...) so
-machine noise hits both alike; each side's time is the median of its rounds, and the
-last column is pyddp's busbw over gloo's. ``--tcp-stream`` first measures one plain
-TCP stream from rank 1 to rank 0 over the address pyddp uses, as the yardstick for
-links between hosts. The timed buffers are the same every iteration (results of one
+machine noise hits both alike; every round starts after a barrier (so no round is
+charged with bytes of the one before still crossing a slow link, which a broadcast's
+root or an early finisher would otherwise leave behind); each side's time is the
+median of its rounds, and the last column is pyddp's busbw over gloo's.
+``--tcp-stream`` first measures one plain TCP stream from rank 1 to rank 0 over the
+address pyddp uses, as the yardstick for links between hosts. The timed buffers are the same every iteration (results of one
 call feed the next), as in nccl-tests; the numbers measure transport and reduction,
 never Python-side copies.
 
@@ -252,7 +254,8 @@ def world_max(values):
 
 def time_rounds(case, backends, args):
     """Warm up each backend, agree on iterations per round, then alternate timed rounds
-    between backends. Returns {backend: median seconds per call, slowest rank}."""
+    between backends, each round after a barrier. Returns {backend: median seconds per
+    call, slowest rank}."""
     est = []
     for b in backends:
         t0 = time.perf_counter()
@@ -264,6 +267,10 @@ def time_rounds(case, backends, args):
     per_round = {b: [] for b in backends}
     for _ in range(args.rounds):
         for b, it in zip(backends, iters):
+            # Every rank starts the round with the links idle: without the barrier, a
+            # rank that left the previous round early (a broadcast's root, gloo's first
+            # receivers) would time the previous backend's bytes still in flight too.
+            dist.barrier()
             t0 = time.perf_counter()
             for _ in range(it):
                 case.run(b)

@@ -21,7 +21,11 @@
  *   all_gather      rail all-gather into the regrouped layout, local
  *                   all-gather, then each block copied to its rank's place.
  *   broadcast       one pipelined chain in host order from the root, so the
- *                   buffer enters each host once (any rank numbering).
+ *                   buffer enters each host once (any rank numbering). Under
+ *                   auto, only where the flat chain (rank order from the root)
+ *                   crosses between hosts more often than that: where it does
+ *                   not, it enters every host once too (ranks numbered host by
+ *                   host), and the flat path runs it.
  *
  * With unequal hosts (2 ranks on one, 1 on another) all_reduce runs on the
  * hosts' first ranks instead: local reduce-scatter and all-gather, ring
@@ -40,6 +44,15 @@
 
 #include <string.h>
 
+/* Host changes along the flat chain broadcast from root (positions root,
+ * root+1, ..., wrapping): the times its buffer crosses between hosts. */
+static int flat_chain_crossings(const ddp_group *g, int root) {
+    int crossings = 0;
+    for (int p = 0; p + 1 < g->size; p++)
+        crossings += g->host[(root + p) % g->size] != g->host[(root + p + 1) % g->size];
+    return crossings;
+}
+
 int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
     const ddp_hier *h = g->hier;
     if (h == NULL || g->algo == DDP_ALGO_FLAT) return 0;
@@ -49,6 +62,10 @@ int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
         /* auto: only when some host has several ranks (else it is the ring), and
          * for large messages (three stages cost more latency than the ring's) */
         if (g->nhosts == g->size || ddp_coll_call_bytes(g, a) < g->hier_min_bytes) return 0;
+        /* a flat chain that already enters every host once (ranks numbered host by
+         * host) moves the same bytes between hosts as the host-order one: keep it */
+        if (a->kind == DDP_COLL_BROADCAST && flat_chain_crossings(g, a->root) == g->nhosts - 1)
+            return 0;
     }
     switch (a->kind) {
     case DDP_COLL_ALLREDUCE: case DDP_COLL_BROADCAST: return 1;

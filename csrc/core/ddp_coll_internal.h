@@ -204,7 +204,8 @@ void ddp_hier_refresh(ddp_group *g);
 
 /* Hierarchical algorithms (ddp_coll_hier.c). ddp_coll_hier_applies says
  * whether a call on g takes them (from the layout, the kind, the dtype and
- * PYDDP_ALGO: the same answer on every rank given the same settings);
+ * PYDDP_ALGO, and for broadcast the root: the same answer on every rank given
+ * the same settings and call);
  * ddp_coll_hier_run runs one after the header exchange. */
 int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a);
 ddp_status ddp_coll_hier_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);

@@ -7,7 +7,7 @@
  * forced onto another algorithm is a mismatch on every rank, not a wrong
  * answer.
  */
-#define H_MAXR 6
+#define H_MAXR 8
 #include <math.h>
 #include "coll_harness.h"
 #include "coll_values.h"
@@ -18,18 +18,19 @@ typedef struct layout {
     int n;
     int host[H_MAXR];
     int uniform;
+    int bcast_flat; /* the chain root n-1, 0, 1, ... enters each host once: auto keeps it */
 } layout;
 
 static const layout layouts[] = {
-    {"2x2 contiguous", 4, {0, 0, 1, 1}, 1},
-    {"2x2 interleaved", 4, {0, 1, 0, 1}, 1},
-    {"2x3", 6, {0, 0, 0, 1, 1, 1}, 1},
-    {"3x2", 6, {0, 0, 1, 1, 2, 2}, 1},
-    {"3x2 interleaved", 6, {0, 1, 2, 0, 1, 2}, 1},
-    {"2+1", 3, {0, 0, 1}, 0},
-    {"1+2", 3, {0, 1, 1}, 0},
-    {"3+1+2", 6, {0, 0, 0, 1, 2, 2}, 0},
-    {"1 per host", 3, {0, 1, 2}, 1},
+    {"2x2 contiguous", 4, {0, 0, 1, 1}, 1, 0},  /* 3,0,1,2: hosts 1,0,0,1 */
+    {"2x2 interleaved", 4, {0, 1, 0, 1}, 1, 0},
+    {"2x3", 6, {0, 0, 0, 1, 1, 1}, 1, 0},       /* hosts 1,0,0,0,1,1 */
+    {"3x2", 6, {0, 0, 1, 1, 2, 2}, 1, 0},
+    {"3x2 interleaved", 6, {0, 1, 2, 0, 1, 2}, 1, 0},
+    {"2+1", 3, {0, 0, 1}, 0, 1},                /* 2,0,1: hosts 1,0,0 */
+    {"1+2", 3, {0, 1, 1}, 0, 0},                /* hosts 1,0,1 */
+    {"3+1+2", 6, {0, 0, 0, 1, 2, 2}, 0, 0},
+    {"1 per host", 3, {0, 1, 2}, 1, 0},
 };
 
 /* Input element j of rank r: small integers, exact in every type used. */
@@ -88,6 +89,7 @@ static int expect_hier(const hctx *x, const hcase *c) {
     int nh = 0;
     for (int r = 0; r < x->lay->n; r++) nh = x->lay->host[r] + 1 > nh ? x->lay->host[r] + 1 : nh;
     if (x->algo == DDP_ALGO_AUTO && nh == x->lay->n) return 0;
+    if (x->algo == DDP_ALGO_AUTO && c->kind == DDP_COLL_BROADCAST && x->lay->bcast_flat) return 0;
     return c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_BROADCAST || x->lay->uniform;
 }
 
@@ -266,6 +268,7 @@ static void test_threshold(void) {
     ddp_coll_args bc = small;
     bc.kind = DDP_COLL_BROADCAST; /* one buffer of count elements: 1 MiB - 4 B stays flat */
     bc.count = (1u << 18) - 1;
+    bc.root = 1; /* the flat chain 1,2,3,0 crosses twice (see test_broadcast_choice) */
     T_ASSERT(!ddp_coll_hier_applies(g, &small));
     T_ASSERT(ddp_coll_hier_applies(g, &big));
     T_ASSERT(ddp_coll_hier_applies(g, &rs));
@@ -281,8 +284,50 @@ static void test_threshold(void) {
     printf("size threshold: ok\n");
 }
 
+/* Under auto, a large broadcast takes the host-order chain only where the
+ * flat chain from the root (root, root+1, ... wrapping) crosses between
+ * hosts more than nhosts-1 times; expectations worked out by hand. */
+static void test_broadcast_choice(void) {
+    static const struct {
+        int n, host[H_MAXR], hier[H_MAXR]; /* hier[root]: 1 when auto takes the host-order chain */
+    } t[] = {
+        {4, {0, 0, 1, 1}, {0, 1, 0, 1}},             /* root 1: 1,2,3,0 = hosts 0,1,1,0 */
+        {4, {0, 1, 0, 1}, {1, 1, 1, 1}},             /* every hop crosses */
+        {8, {0, 0, 0, 0, 1, 1, 1, 1}, {0, 1, 1, 1, 0, 1, 1, 1}},
+        {4, {0, 1, 1, 0}, {1, 0, 1, 0}},             /* root 1: 1,2,3,0 = hosts 1,1,0,0 */
+        {6, {0, 0, 1, 1, 2, 2}, {0, 1, 0, 1, 0, 1}}, /* root 2: hosts 1,1,2,2,0,0 */
+    };
+    for (size_t i = 0; i < sizeof t / sizeof *t; i++) {
+        const int n = t[i].n;
+        hworld w;
+        hworld_init(&w, n, 0, 1u << 16);
+        const char *ids[H_MAXR];
+        static const char *names[] = {"host-a", "host-b", "host-c"};
+        for (int r = 0; r < n; r++) ids[r] = names[t[i].host[r]];
+        T_OK(ddp_group_set_layout(&w.g[0], ids));
+        ddp_group *g = &w.g[0];
+        float one;
+        ddp_coll_args bc = {.kind = DDP_COLL_BROADCAST, .dtype = DDP_FLOAT32,
+                            .count = 1u << 20, .buf = &one};
+        for (int root = 0; root < n; root++) {
+            bc.root = root;
+            g->algo = DDP_ALGO_AUTO;
+            if (ddp_coll_hier_applies(g, &bc) != t[i].hier[root]) {
+                fprintf(stderr, "layout %zu root %d: auto chose wrongly\n", i, root);
+                T_ASSERT(0);
+            }
+            g->algo = DDP_ALGO_HIER; /* forced: always */
+            T_ASSERT(ddp_coll_hier_applies(g, &bc));
+        }
+        ddp_group_free_layout(&w.g[0]);
+        hworld_free(&w);
+    }
+    printf("broadcast chain choice: ok\n");
+}
+
 int main(void) {
     test_threshold();
+    test_broadcast_choice();
     test_layouts();
     test_pipeline();
     test_dying_link();
