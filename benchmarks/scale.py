@@ -27,7 +27,10 @@ Three parts, each printing one row per world size N:
   ::ffff:127.0.0.1, which /etc/hosts does not answer): where the DNS server drops
   queries that arrive together, each dropped one costs a resolver timeout (glibc's
   5 s, or RES_OPTIONS="timeout:T attempts:1", which passes through to the ranks).
-  torch's store counts no requests: its "store req" is "-". --gloo-threads-mode runs
+  torch's store counts no requests: its "store req" is "-". --store-first times both
+  libraries' forked ranks without their store connection (and so without that lookup):
+  each connects its client before the clock starts and passes it to
+  init_process_group(store=, rank=, world_size=). --gloo-threads-mode runs
   the older variant instead, not like for like: ranks as threads, at most
   --gloo-threads per process, each with its own torch TCPStore client to a pyddp store
   (connected before the start gate, so not timed, and counted in store req) and
@@ -90,6 +93,9 @@ def parse(argv=None):
     p.add_argument("--gloo-threads", type=int, default=32,
                    help="--gloo-threads-mode: gloo ranks per process")
     p.add_argument("--shm", action="store_true", help="leave PYDDP_SHM_DISABLE unset")
+    p.add_argument("--store-first", action="store_true",
+                   help="forked ranks (pyddp and gloo alike) connect their store client "
+                        "before the clock starts and pass it to init_process_group(store=)")
     p.add_argument("--no-c", action="store_true")
     p.add_argument("--no-py", action="store_true")
     p.add_argument("--no-gloo", action="store_true")
@@ -211,7 +217,7 @@ def run_ranks(args, kind, n):
     env = base_env(args)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                TORCHELASTIC_USE_AGENT_STORE="True", TORCH_GLOO_LAZY_INIT="1",
-               TORCH_CPP_LOG_LEVEL="ERROR")
+               TORCH_CPP_LOG_LEVEL="ERROR", SCALE_STORE_FIRST="1" if args.store_first else "0")
     gates = [os.pipe() for _ in range(3)]
     rep_r, rep_w = os.pipe()
     child_fds = [g[0] for g in gates] + [rep_w]

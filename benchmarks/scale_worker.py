@@ -33,6 +33,10 @@ Modes:
         with its own torch TCPStore client (connected before the first gate, so not in
         the init time) and a torch.distributed.ProcessGroupGloo(store, rank, N, timeout).
 
+With SCALE_STORE_FIRST=1 (scale.py --store-first) the forked ranks of either library
+connect their store client before the first gate and pass it to init_process_group
+(store=, rank=, world_size=): init is then timed without the store connection.
+
 Both zygotes check that they run a single thread when they fork (a thread in the zygote
 would be missing, with whatever lock it held, in every rank), and call gc.freeze() first
 so that the ranks' garbage collections do not write to (and so copy) the shared pages.
@@ -76,12 +80,17 @@ def timed_allreduces(one, iters):
 
 def forked_rank(rank, n, iters, timeout_s, gates, rep, lib):
     """One rank in a forked process, either library alike: gate, lib.init(), gate, the
-    timed 8-byte all-reduces (lib.zeros, lib.all_reduce, lib.value), gate, lib.destroy()."""
+    timed 8-byte all-reduces (lib.zeros, lib.all_reduce, lib.value), gate, lib.destroy().
+    With SCALE_STORE_FIRST=1 the rank connects its store client (lib.connect) before
+    the first gate and hands it to lib.init, so init is timed without it."""
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(n)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+    t = timedelta(seconds=timeout_s)
+    store = lib.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), t) \
+        if os.environ.get("SCALE_STORE_FIRST") == "1" else None
     report(rep, f"ready {rank} {os.getpid()}")
     wait_gate(gates[0], timeout_s)
-    lib.init(timedelta(seconds=timeout_s))
+    lib.init(t, store, rank, n)
     report(rep, f"init {rank} {time.monotonic():.6f}")
     wait_gate(gates[1], timeout_s)
     x = lib.zeros()
@@ -102,7 +111,12 @@ def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
     """One pyddp rank: init_process_group("cpu") the env:// way."""
     import numpy as np
     import pyddp
-    lib = SimpleNamespace(init=lambda t: pyddp.init_process_group("cpu", timeout=t),
+    def init(t, store, rank, n):
+        if store is None:
+            pyddp.init_process_group("cpu", timeout=t)
+        else:
+            pyddp.init_process_group("cpu", timeout=t, store=store, rank=rank, world_size=n)
+    lib = SimpleNamespace(init=init, connect=lambda h, p, t: pyddp.TCPStore(h, p, timeout=t),
                           zeros=lambda: np.zeros(1, dtype=np.float64),
                           all_reduce=pyddp.all_reduce, value=lambda x: float(x[0]),
                           destroy=pyddp.destroy_process_group)
@@ -113,9 +127,15 @@ def gloo_rank(rank, n, iters, timeout_s, gates, rep):
     """One gloo rank: torch's init_process_group("gloo", init_method="env://")."""
     import torch
     import torch.distributed as dist
+    def init(t, store, rank, n):
+        if store is None:
+            dist.init_process_group("gloo", init_method="env://", timeout=t)
+        else:
+            dist.init_process_group("gloo", timeout=t, store=store, rank=rank, world_size=n)
     lib = SimpleNamespace(
-        init=lambda t: dist.init_process_group("gloo", init_method="env://", timeout=t),
-        zeros=lambda: torch.zeros(1, dtype=torch.float64),
+        init=init, zeros=lambda: torch.zeros(1, dtype=torch.float64),
+        connect=lambda h, p, t: dist.TCPStore(h, p, None, False, timeout=t,
+                                              wait_for_workers=False),
         all_reduce=lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM),
         value=lambda x: x.item(), destroy=dist.destroy_process_group)
     forked_rank(rank, n, iters, timeout_s, gates, rep, lib)
