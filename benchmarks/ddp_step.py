@@ -3,6 +3,7 @@ cost of DDP itself at world size 1, and torch's DDP over the "pyddp" backend aga
 gloo. One command runs parts 1 to 3 (part 4 with --reduce-dtype):
 
     python benchmarks/ddp_step.py            # add --steps/--rounds/--batch to change the run
+    python benchmarks/ddp_step.py --part backend    # part 3 only, 3 runs and their median
 
 Part 1 launches 2 ranks with stock torchrun. Each rank builds the same ~21M-parameter
 MLP twice, wraps one copy in torch's DDP (gloo) and the other in pyddp's DDP (pyddp's
@@ -16,7 +17,11 @@ processes, steps alternated, on a ~6M-parameter MLP (--backend-hidden 2048), wit
 third copy whose all-reduce costs nothing (a comm hook returning each bucket as it is):
 the floor that no backend's step can go below. Prints the
 median step times (wall clock, and the process's CPU time, which a busy machine
-disturbs far less) and the ratios.
+disturbs far less), the ratios, and the backend's overhead ratio: (step over "pyddp" -
+floor) / (step over gloo - floor), what each backend adds to the step beyond the
+compute. Part 3 runs --repeat times (default 3, each a fresh torchrun launch) and ends
+with every run's overhead ratio and their median, wall clock and CPU time; the wall
+clock median is the figure of merit (what users feel), the CPU one the steadier check.
 Part 4 ("reduce", run by ``--reduce-dtype bfloat16`` or ``--part reduce``) launches 2
 ranks that wrap the same MLP twice in pyddp's DDP, once reducing float32 gradients and
 once with ``reduce_dtype=`` (gradients on the wire as bfloat16/float16), steps
@@ -25,11 +30,13 @@ alternated, and prints both step times and their ratio. benchmarks/two_hosts.py
 Compute threads: one per rank (torchrun's OMP_NUM_THREADS=1; parts 2 and 4 match it).
 """
 import argparse
+import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,10 +53,14 @@ def parse(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend-hidden", type=int, default=2048,
                    help="hidden width of part 3's MLP (2048: 6.3M parameters)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="part 3: runs (separate launches) whose overhead ratios' median "
+                        "is printed")
     p.add_argument("--part", choices=["all", "ranks", "single", "backend", "reduce"],
                    default="all", help="all: parts 1-3, and 4 with --reduce-dtype")
     p.add_argument("--reduce-dtype", choices=["bfloat16", "float16"], default=None,
                    help="part 4: DDP step with float32 gradients against this reduce dtype")
+    p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reduce-worker", action="store_true", help=argparse.SUPPRESS)
@@ -165,7 +176,39 @@ def backend_worker(args):
             print(f"  {what} / over gloo step time ratio: "
                   f"{med[name][0] / med[names[0]][0]:.3f} wall, "
                   f"{med[name][1] / med[names[0]][1]:.3f} CPU")
+        ratio = overhead_ratio(med[names[1]], med[names[0]], med[names[2]])
+        print(f"  overhead over the floor, (pyddp - floor) / (gloo - floor): "
+              f"{ratio[0]:.3f} wall, {ratio[1]:.3f} CPU")
+        if args.result_file:
+            with open(args.result_file, "w") as f:
+                json.dump(ratio, f)
     tdist.destroy_process_group()
+
+
+def overhead_ratio(ours, ref, floor):
+    """(wall, CPU) of (ours - floor) / (ref - floor), each a (wall, CPU) step time: the
+    share of the reference backend's cost over the floor that ours adds. NaN where the
+    reference does not exceed the floor (no overhead to compare to)."""
+    return tuple((o - f) / (r - f) if r > f else float("nan")
+                 for o, r, f in zip(ours, ref, floor))
+
+
+def backend_runs(cmd, env, repeat):
+    """Part 3, repeat times, each a fresh launch; prints each run's overhead ratio and
+    the median (wall clock: the figure of merit; CPU time: the steadier check)."""
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(repeat):
+            out = os.path.join(tmp, f"run{k}.json")
+            if repeat > 1:
+                print(f"part 3, run {k + 1} of {repeat}", flush=True)
+            subprocess.run(cmd + [f"--result-file={out}"], env=env, check=True)
+            with open(out) as f:
+                ratios.append(json.load(f))
+    walls, cpus = ([r[i] for r in ratios] for i in (0, 1))
+    print(f"backend overhead ratio (pyddp - floor) / (gloo - floor), {repeat} run(s): "
+          f"wall {', '.join(f'{w:.3f}' for w in walls)}, median {statistics.median(walls):.3f}; "
+          f"CPU {', '.join(f'{c:.3f}' for c in cpus)}, median {statistics.median(cpus):.3f}")
 
 
 def reduce_worker(args):
@@ -244,7 +287,7 @@ def main():
     if args.part in ("all", "ranks"):
         subprocess.run(cmd + ["--worker"] + passthrough, env=env, check=True)
     if args.part in ("all", "backend"):
-        subprocess.run(cmd + ["--backend-worker"] + passthrough, env=env, check=True)
+        backend_runs(cmd + ["--backend-worker"] + passthrough, env, args.repeat)
     if args.part in ("all", "single"):
         sys.path.insert(0, ROOT)
         single(args)

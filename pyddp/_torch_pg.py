@@ -12,13 +12,13 @@ Two paths:
 
 * the thin path, for a call on one contiguous CPU tensor (all_reduce: torch DDP's
   bucket; broadcast, reduce, barrier): straight to ``_C.ProcessGroup`` with the tensor
-  passed by address; a blocking one is read and run in one C call first
-  (``ProcessGroup.torch_run``: torch's options and the tensor's facts read in C). torch's
-  blocking wrappers say so (``opts.asyncOp`` False) and
-  wait at once, so such a call runs to completion here, through the lean path (a small
-  one inline on this thread), and returns None, which torch takes as "the backend has
-  synchronised"; an asynchronous one is submitted and gets a :class:`PyddpWork` whose
-  future pyddp's completion thread completes (``_torch_work``);
+  passed by address, read and started in one C call (``ProcessGroup.torch_run``:
+  torch's options and the tensor's facts read in C). torch's blocking wrappers say so
+  (``opts.asyncOp`` False) and wait at once, so such a call runs to completion here,
+  through the lean path (a small one inline on this thread), and returns None, which
+  torch takes as "the backend has synchronised"; an asynchronous one is submitted and
+  gets a :class:`PyddpWork` whose future pyddp's completion thread completes
+  (``_torch_work``);
 * the general path for everything else (several tensors, CUDA tensors, lists, odd
   layouts), through pyddp's own functions (``collectives``) with ``async_op=True``.
 
@@ -179,19 +179,33 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             self._coalesced.append(fut)
         return PyddpWork(fut, comp)
 
-    def _ran_in_c(self, kind, tensors, opts):
+    def _in_c(self, kind, tensors, opts):
         """Offer torch's call of kind (_ALLREDUCE, _REDUCE, _BROADCAST, _BARRIER) to
-        ProcessGroup.torch_run, which runs a blocking call on one CPU tensor in one C
-        call. True: it ran to the end (the method returns None); False: nothing was
-        sent and the method goes on with its Python path. A failure raises as torch's
-        error, a collective's with the straggler report."""
+        ProcessGroup.torch_run, which takes a call on one CPU tensor in one C call: the
+        method's return value, None once a blocking call ran to the end, the torch Work
+        of a submitted asynchronous one; or NotImplemented: nothing was sent and the
+        method goes on with its Python path. A failure raises as torch's error, a
+        blocking collective's with the straggler report."""
         pg = self._handle._pg
         if type(pg) is not _PG:
-            return False
+            return NotImplemented
         try:
-            return pg.torch_run(kind, tensors, opts, self._timeout_ms) is None
+            w = pg.torch_run(kind, tensors, opts, self._timeout_ms)
         except Exception as e:
+            if getattr(opts, "asyncOp", False):    # a refused submission
+                raise_as_torch(e)
             self._thin_failed(e)
+        if w is None or w is NotImplemented:
+            return w
+        return self._work_of(w, [] if tensors is None else list(tensors))
+
+    def _work_of(self, w, result):
+        """The torch Work of a submitted thin-path call: w its ``_C.Work``, result the
+        future's value (the output tensors)."""
+        fut = _Future()
+        if self._coalesced is not None:
+            self._coalesced.append(fut)
+        return PyddpWork(fut, _One(fut, w, result))
 
     def _thin_failed(self, e):
         """Raise e, raised by ProcessGroup.torch_run, as torch's error (a collective's
@@ -239,20 +253,18 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             w = pg.submit(kind, None if t is None else (t, ptr, n, code), None, op, root, tmo)
         except Exception as e:
             raise_as_torch(e)
-        fut = _Future()
-        if self._coalesced is not None:
-            self._coalesced.append(fut)
-        return PyddpWork(fut, _One(fut, w, [] if t is None else [t]))
+        return self._work_of(w, [] if t is None else [t])
 
     # -- reductions -----------------------------------------------------------------
 
-    # Each thin-path method first offers the call to ProcessGroup.torch_run
-    # (_ran_in_c), which runs torch's blocking call on one CPU tensor in one C call and
-    # answers NotImplemented for everything else, with nothing sent.
+    # Each thin-path method first offers the call to ProcessGroup.torch_run (_in_c),
+    # which takes torch's call on one CPU tensor in one C call (a blocking one run, an
+    # asynchronous one submitted) and answers NotImplemented for everything else, with
+    # nothing sent.
 
     def allreduce(self, tensors, opts=None):
-        if self._ran_in_c(_ALLREDUCE, tensors, opts):
-            return None
+        if (w := self._in_c(_ALLREDUCE, tensors, opts)) is not NotImplemented:
+            return w
         rop = opts.reduceOp if opts is not None else _SUM
         if any(t.is_sparse for t in tensors):     # gloo's sparse all_reduce, blocking
             for t in tensors:
@@ -290,8 +302,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                          list(tensors))
 
     def reduce(self, tensors, opts):
-        if self._ran_in_c(_REDUCE, tensors, opts):
-            return None
+        if (w := self._in_c(_REDUCE, tensors, opts)) is not NotImplemented:
+            return w
         op, factor = _reduce_op(opts.reduceOp)
         dst = self._global(opts.rootRank, "dst")
         if factor is None and len(tensors) == 1:
@@ -345,8 +357,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
     # -- data movement ----------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None):
-        if self._ran_in_c(_BROADCAST, tensors, opts):
-            return None
+        if (w := self._in_c(_BROADCAST, tensors, opts)) is not NotImplemented:
+            return w
         root = opts.rootRank if opts is not None else 0
         src = self._global(root, "src")
         if len(tensors) == 1:
@@ -441,8 +453,8 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         return work
 
     def barrier(self, opts=None):
-        if self._ran_in_c(_BARRIER, None, opts):
-            return None
+        if (w := self._in_c(_BARRIER, None, opts)) is not NotImplemented:
+            return w
         w = self._thin(_C.COLL_BARRIER, None, 0, 0, opts)
         if w is not NotImplemented:
             return w

@@ -25,8 +25,9 @@
  * p2p_batch([(is_send, array, peer), ...], timeout_ms, stream=None) -> Work
  * run(kind, a, op, root, timeout_ms[, count, dtype]) -> None   blocking, host
  *   memory, single-buffer kinds: submit + wait without a Work (ddp_py_pg_run)
- * torch_run(kind, tensors, opts, timeout_ms) -> None or NotImplemented
- *   torch's blocking call on one CPU tensor through run() (py_torch_thin.c)
+ * torch_run(kind, tensors, opts, timeout_ms) -> None, Work or NotImplemented
+ *   torch's call on one CPU tensor: a blocking one through run(), an
+ *   asynchronous one submitted (py_torch_thin.c)
  * where, by kind, a/b are:
  *   ALLREDUCE, BROADCAST, REDUCE, SEND, RECV: a = the array, b = None
  *   ALLGATHER, REDUCE_SCATTER, GATHER, SCATTER: a = input, b = output
@@ -271,8 +272,9 @@ static PyMethodDef pg_methods[] = {
      "run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: submit and wait (host "
      "memory, single-buffer collectives; NotImplemented for a GPU array)"},
     {"torch_run", (PyCFunction)(void (*)(void))ddp_py_pg_torch_run, METH_FASTCALL,
-     "torch_run(kind, tensors, opts, timeout_ms) -> None: torch's blocking call on one CPU "
-     "tensor through run() (NotImplemented: take the Python path)"},
+     "torch_run(kind, tensors, opts, timeout_ms) -> None or Work: torch's call on one CPU "
+     "tensor, a blocking one run to the end, an asynchronous one submitted "
+     "(NotImplemented: take the Python path)"},
     {"alltoall", (PyCFunction)ddp_py_pg_alltoall, METH_VARARGS,
      "alltoall(input, output, scounts, sdispls, rcounts, rdispls, timeout_ms=-1, stream=None) "
      "-> Work (counts and offsets in elements, one per group rank)"},

@@ -76,6 +76,11 @@ int ddp_py_pg_route(PGObject *self, int on_gpu, ddp_pg *out);
  * watched) and returned as a pyddp._C.Work, or NULL with an exception. */
 PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking);
 
+/* submit's tail: import a and b (None: absent) into c, whose core kind, op,
+ * root, timeout and stream are set, route it and submit it; the
+ * pyddp._C.Work, or NULL with an exception (c released in every case). */
+PyObject *ddp_py_pg_submit_call(PGObject *self, ddp_py_call *c, PyObject *a, PyObject *b);
+
 /* The methods submit(...) and run(...) (signatures in py_pg.c's header). */
 PyObject *ddp_py_pg_submit(PGObject *self, PyObject *args, PyObject *kw);
 PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -84,11 +89,14 @@ PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* torch_run(kind, tensors, opts, timeout_ms) -> None once a blocking call of
  * torch's (opts.asyncOp False) on one contiguous CPU torch tensor (tensors, a
- * list of one; None for BARRIER) has run through run(); NotImplemented, with
+ * list of one; None for BARRIER) has run through run(); for an asynchronous
+ * one (opts.asyncOp True) the pyddp._C.Work of its submission, the tensor
+ * held by the Work until the transport is done with it; NotImplemented, with
  * nothing sent, for anything the torch backend's Python path must handle;
- * NULL with an exception (a collective's failure as run() raises it). The
- * op comes from opts.reduceOp (ALLREDUCE, REDUCE), the group root from
- * opts.rootRank (BROADCAST, REDUCE). */
+ * NULL with an exception (a collective's failure as run() raises it, or a
+ * refused submission as submit() raises it). The op comes from
+ * opts.reduceOp (ALLREDUCE, REDUCE), the group root from opts.rootRank
+ * (BROADCAST, REDUCE). */
 PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* ---- py_pg_vec.c ---- */

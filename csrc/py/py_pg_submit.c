@@ -153,15 +153,18 @@ PyObject *ddp_py_pg_submit(PGObject *self, PyObject *args, PyObject *kw) {
     c.ca.op = (ddp_redop)op;
     c.ca.root = root;
     c.timeout_ms = timeout_ms;
-    if (ddp_py_stream_arg(so, &c.has_stream, &c.stream) < 0 ||
-        ddp_py_call_import(&c, ao, bo, kind, &c.on_gpu) < 0)
-        return NULL;
+    if (ddp_py_stream_arg(so, &c.has_stream, &c.stream) < 0) return NULL;
+    return ddp_py_pg_submit_call(self, &c, ao, bo);
+}
+
+PyObject *ddp_py_pg_submit_call(PGObject *self, ddp_py_call *c, PyObject *ao, PyObject *bo) {
+    if (ddp_py_call_import(c, ao, bo, c->ca.kind, &c->on_gpu) < 0) return NULL;
     ddp_pg pg;
-    if (ddp_py_pg_route(self, c.on_gpu, &pg) < 0) {
-        ddp_py_call_release(&c);
+    if (ddp_py_pg_route(self, c->on_gpu, &pg) < 0) {
+        ddp_py_call_release(c);
         return NULL;
     }
-    return ddp_py_pg_call(pg, &c, 0);
+    return ddp_py_pg_call(pg, c, 0);
 }
 
 /* run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: the lean path

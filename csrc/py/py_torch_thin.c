@@ -5,11 +5,13 @@
  * pyddp/_torch_pg.py's allreduce, broadcast, reduce and barrier call first:
  * it reads torch's options (asyncOp, reduceOp, rootRank) and the one tensor's
  * facts (class, dtype, device, layout, contiguity, size, address) here in C
- * instead of in Python, and runs the collective through ProcessGroup.run
- * (ddp_py_pg_run: the same queue, inline rule, timeouts and flight record as
- * the lean path). Anything it does not take returns NotImplemented with
- * nothing sent, and the caller goes on with its Python path: an asynchronous
- * call, a list of other than one tensor, a tensor that is not an exact
+ * instead of in Python, and runs a blocking collective through
+ * ProcessGroup.run (ddp_py_pg_run: the same queue, inline rule, timeouts and
+ * flight record as the lean path), or submits an asynchronous one (torch
+ * DDP's bucket all-reduce) as ProcessGroup.submit does and returns its
+ * pyddp._C.Work for the caller to wrap in torch's Work. Anything it does not
+ * take returns NotImplemented with nothing sent, and the caller goes on with
+ * its Python path: a list of other than one tensor, a tensor that is not an exact
  * contiguous non-empty CPU torch.Tensor of a dtype the core has, a reduce op
  * other than SUM, AVG, PRODUCT, MIN and MAX (PREMUL_SUM, the bitwise ops),
  * or a torch whose ReduceOp hash was not proven to name the op.
@@ -120,6 +122,30 @@ static int reduce_op(PyObject *opts, long *op) {
     return 1;
 }
 
+/* An asynchronous call of kind on tensor t (NULL for BARRIER) at ptr, count
+ * elements of dtype code: submitted as ProcessGroup.submit does, t held as an
+ * (owner, address, count, dtype) buffer by the Work; the pyddp._C.Work, or
+ * NULL with an exception. */
+static PyObject *submit_async(PGObject *self, long kind, long op, long root, PyObject *tmo,
+                              PyObject *t, void *ptr, size_t count, int code) {
+    ddp_py_call c;
+    memset(&c, 0, sizeof c);
+    c.ca.kind = (ddp_coll_kind)kind;
+    c.ca.op = (ddp_redop)op;
+    c.ca.root = (int)root;
+    c.timeout_ms = PyLong_AsLongLong(tmo);
+    if (c.timeout_ms == -1 && PyErr_Occurred()) return NULL;
+    PyObject *buf = Py_NewRef(Py_None);
+    if (t != NULL) {
+        Py_DECREF(buf);
+        buf = Py_BuildValue("(ONni)", t, PyLong_FromVoidPtr(ptr), (Py_ssize_t)count, code);
+        if (buf == NULL) return NULL;
+    }
+    PyObject *w = ddp_py_pg_submit_call(self, &c, buf, Py_None);
+    Py_DECREF(buf);
+    return w;
+}
+
 PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4)
         return ddp_py_raise(DDP_ERR_INVALID, "torch_run(kind, tensors, opts, timeout_ms)");
@@ -131,7 +157,6 @@ PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t 
     if (v == NULL) return NULL;
     int blocking = v == Py_False;
     Py_DECREF(v);
-    if (!blocking) Py_RETURN_NOTIMPLEMENTED;
     long op = 0, root = 0;
     if (kind == DDP_COLL_ALLREDUCE || kind == DDP_COLL_REDUCE) {
         int rc = reduce_op(opts, &op);
@@ -153,6 +178,10 @@ PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t 
         if (rc < 0) return NULL;
         if (rc == 0 || count == 0) Py_RETURN_NOTIMPLEMENTED;
     }
+    if (!blocking)
+        return submit_async(self, kind, op, root, args[3],
+                            kind == DDP_COLL_BARRIER ? NULL : PyList_GET_ITEM(tensors, 0), ptr,
+                            count, code);
     /* ProcessGroup.run(kind, ptr, op, root, timeout_ms, count, code) */
     PyObject *a[7] = {args[0], PyLong_FromVoidPtr(ptr), PyLong_FromLong(op),
                       PyLong_FromLong(root), args[3], PyLong_FromSize_t(count),

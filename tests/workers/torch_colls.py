@@ -157,14 +157,15 @@ def check_tensor_kinds(ck, rank, ws):
 
 
 def check_rooted(ck, rank, ws):
-    """broadcast, reduce, gather and scatter with every root."""
+    """broadcast, reduce, gather and scatter with every root; broadcast and reduce
+    blocking and asynchronous in turns (the thin path's two C branches)."""
     case = 100
     for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool):
         for n in SIZES:
             for root in range(ws):
                 case += 1
                 x = inp(rank, case, n, dtype)
-                dist.broadcast(x, src=root)
+                _wait(dist.broadcast(x, src=root, async_op=bool(case % 2)))
                 ck.eq(x, inp(root, case, n, dtype), f"broadcast {dtype} n={n} src={root}")
                 if dtype == torch.bool:
                     continue
@@ -172,7 +173,7 @@ def check_rooted(ck, rank, ws):
                     case += 1
                     x = inp(rank, case, n, dtype)
                     mine = x.clone()
-                    dist.reduce(x, dst=root, op=op)
+                    _wait(dist.reduce(x, dst=root, op=op, async_op=bool(case % 2)))
                     want = expect([inp(r, case, n, dtype) for r in range(ws)], op, dtype) \
                         if rank == root else mine
                     ck.eq(x, want, f"reduce {dtype} {op} n={n} dst={root}",
@@ -189,6 +190,12 @@ def check_rooted(ck, rank, ws):
                 src_list = [inp(r, case, n, dtype) for r in range(ws)] if rank == root else None
                 dist.scatter(out, src_list, src=root)
                 ck.eq(out, inp(rank, case, n, dtype), f"scatter {dtype} src={root}")
+
+
+def _wait(work):
+    """Wait for an asynchronous call's work (None for a blocking call)."""
+    if work is not None:
+        work.wait()
 
 
 def check_gathers(ck, rank, ws):
@@ -324,6 +331,7 @@ def check_objects_and_barriers(ck, rank, ws):
     dist.scatter_object_list(out, [("s", r) for r in range(ws)] if rank == 0 else None, src=0)
     ck.true(out == [("s", rank)], "scatter_object_list")
     dist.barrier()
+    dist.barrier(async_op=True).wait()
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
     dist.monitored_barrier(wait_all_ranks=True)
     ck.true(True, "monitored_barrier")
