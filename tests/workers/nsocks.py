@@ -63,6 +63,7 @@ def main():
     dist.init_process_group("cpu")
     rank, ws = dist.get_rank(), dist.get_world_size()
     ck = Checker(rank)
+    dist.barrier()   # links are made on first use: a barrier of up to 8 ranks makes every pair's
     got = data_connections(int(os.environ["MASTER_PORT"]))
     ck.eq(got, a.per_peer * (ws - 1), f"data connections ({a.per_peer} per peer)")
     case = 0

@@ -119,6 +119,7 @@ def main():
         os.environ["PYDDP_SHM_DISABLE"] = "1"
     dist.init_process_group("cpu", timeout=60)
     rank, ws = dist.get_rank(), dist.get_world_size()
+    dist.barrier()   # links are made on first use: a barrier of up to 8 ranks makes every pair's
     want = expected_shm(rank, ws, a.layout or "A" * ws, a.disable_shm_rank)
     maps = shm_maps()
     assert len(maps) == want, f"rank {rank}: {len(maps)} shm segments mapped " \
