@@ -23,7 +23,12 @@ def _rows(res):
 
 def test_accelerate_on_pyddp_matches_gloo():
     ours = _rows(torchrun("accelerate_train.py", 2, args=["pyddp"], timeout=180))
-    gloo = _rows(torchrun("accelerate_train.py", 2, args=["gloo"], timeout=180))
+    ref = torchrun("accelerate_train.py", 2, args=["gloo"], timeout=180)
+    if ref.returncode != 0 and "terminate called without an active exception" in ref.output:
+        # torch's gloo reference (no pyddp code loaded) now and then aborts at exit in a
+        # C++ thread's destructor; it is the reference, not what is tested: run it again
+        ref = torchrun("accelerate_train.py", 2, args=["gloo"], timeout=180)
+    gloo = _rows(ref)
     want = {"v": [[0.0, 10.0], [1.0, 11.0]], "i": [[0, 0], [1, 2]]}
     for o, g in zip(ours, gloo):
         assert o["backend"] == "pyddp" and g["backend"] == "gloo", (o, g)
