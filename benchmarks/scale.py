@@ -397,8 +397,10 @@ def main(argv=None):
                   f"{args.gloo_threads} per process; ProcessGroupGloo alone, store "
                   f"clients connected before the gate)", gloo_rows)
         else:
-            table("torch gloo, TORCH_GLOO_LAZY_INIT=1 (one forked process per rank, "
-                  "init_process_group env://; torch's store: no request count)", gloo_rows)
+            how = ("init_process_group(store=...), store clients connected before the gate"
+                   if args.store_first else "init_process_group env://")
+            table(f"torch gloo, TORCH_GLOO_LAZY_INIT=1 (one forked process per rank, {how}; "
+                  f"torch's store: no request count)", gloo_rows)
     print()
     for line in goals(c_rows, py_rows, gloo_rows, args.gloo_threads_mode):
         print(line)
