@@ -40,17 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pyddp as dist  # noqa: E402
 from pyddp import DistributedDataParallel as DDP  # noqa: E402
 from pyddp import DistributedSampler, elastic  # noqa: E402
-from train import evaluate, make_data, make_model  # noqa: E402
+from train import add_training_args, evaluate, make_data, make_model  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--train-samples", type=int, default=16384)
-    p.add_argument("--test-samples", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
+    add_training_args(p)
     p.add_argument("--commit-every", type=int, default=20, help="steps between commits")
     p.add_argument("--checkpoint-dir", default=None,
                    help="keep commits on this node's disk (default: memory only)")

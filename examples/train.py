@@ -45,14 +45,19 @@ from pyddp import DistributedSampler
 DIM, CLASSES = 32, 10
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_training_args(p):
+    """The options every training example here shares: epochs, batch, lr, data, seed."""
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--train-samples", type=int, default=16384)
     p.add_argument("--test-samples", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_args(p)
     p.add_argument("--backend", choices=["cpu", "gloo", "nccl"], default=None,
                    help="cpu (alias gloo) or nccl; default: pyddp's choice (host arrays "
                         "on the CPU transport, GPU arrays on NCCL)")
