@@ -8,17 +8,18 @@
  *   2. publish "<prefix>/rank/<r>" = one text line of key=value fields
  *      (version, wire version, advertised host and port, host identity,
  *      PYDDP_NSOCKS_PERPEER);
- *   3. rank 0 reads every line, checks that every rank runs the same pyddp
+ *   3. rank 0 reads every line (one WAIT for all, one MULTI_GET), checks that every rank runs the same pyddp
  *      and wire version and the same shared settings, and publishes
  *      "<prefix>/table": the verdict and, when it is "ok", each rank's
  *      address, port and host (hosts listed once);
  *   4. every other rank reads that one record. A version difference, or a
  *      rank that never came, fails every rank alike with rank 0's message.
  *
- * So the store serves 2 requests per rank plus rank 0's N reads: O(N), not
- * the N x N of every rank reading every line. While ranks wait they look
- * for authentication failures announced by others (auth_watch), so ranks
- * with different PYDDP_AUTH_TOKENs fail within seconds.
+ * So the store serves 3 requests per rank (SET, and WAIT and GET of the
+ * table) plus rank 0's 3: O(N), not the N x N of every rank reading every
+ * line. While ranks wait they look for authentication failures announced
+ * by others (auth_watch), so ranks with different PYDDP_AUTH_TOKENs fail
+ * within seconds.
  */
 #include <errno.h>
 #include <stdio.h>
