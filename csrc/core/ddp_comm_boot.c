@@ -234,8 +234,8 @@ static int text_add(text *t, const char *s) {
 }
 
 /* Rank 0: the table of every rank's line (already in c->lines), hosts once:
- * "ok <n> <nhosts>\n", nhosts host lines, then "<addr> <port> <host#>\n" per
- * rank. */
+ * "ok <n> <nhosts>\n", nhosts lines "h<host identity>\n", then
+ * "<addr> <port> <host#>\n" per rank. */
 static ddp_status make_table(ddp_comm *c, text *t) {
     int *hidx = malloc((size_t)c->size * sizeof *hidx), nh = 0;
     char **hosts = malloc((size_t)c->size * sizeof *hosts);
@@ -251,7 +251,9 @@ static ddp_status make_table(ddp_comm *c, text *t) {
         snprintf(buf, sizeof buf, "ok %d %d\n", c->size, nh);
         bad = text_add(t, buf) != 0;
     }
-    for (int k = 0; !bad && k < nh; k++) bad = text_add(t, hosts[k]) || text_add(t, "\n");
+    /* "h" first: an empty host identity is still a line of its own */
+    for (int k = 0; !bad && k < nh; k++)
+        bad = text_add(t, "h") || text_add(t, hosts[k]) || text_add(t, "\n");
     for (int r = 0; !bad && r < c->size; r++) {
         ddp_comm_line_field(c->lines[r], "addr", addr, sizeof addr);
         ddp_comm_line_field(c->lines[r], "port", port, sizeof port);
@@ -281,7 +283,10 @@ static ddp_status read_table(ddp_comm *c, char *tab) {
     ddp_status st = hosts ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "out of memory");
     for (int k = 0; st == DDP_OK && k < nh; k++) {
         hosts[k] = strtok_r(NULL, "\n", &save);
-        if (hosts[k] == NULL) st = ddp_error(DDP_ERR_PROTOCOL, "truncated member table");
+        if (hosts[k] == NULL || hosts[k][0] != 'h')
+            st = ddp_error(DDP_ERR_PROTOCOL, "truncated member table");
+        else
+            hosts[k]++;
     }
     for (int r = 0; st == DDP_OK && r < n; r++) {
         char addr[DDP_ADDR_MAX];

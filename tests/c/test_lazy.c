@@ -8,7 +8,8 @@
  *     powers of two and not, every result checked against arithmetic and
  *     bit-identical on every rank;
  *   - all_to_all makes every pair dial each other at once (both ends dial:
- *     the higher rank's connection wins, both ends agree);
+ *     the higher rank's connection wins, both ends agree), also with empty
+ *     host identities (no shared memory, and the member table keeps them);
  *   - hosts of 4 ranks: same-host links move to shared memory, a large
  *     all-reduce takes the hierarchical path over links made on first use;
  *   - a broadcast with another root on one rank fails every rank (a
@@ -70,6 +71,7 @@ static void *rank_main(void *p) {
     T_OK(ddp_store_connect("127.0.0.1", w->port, ddp_wait_for(10000, NULL), &st));
     char host[32];
     snprintf(host, sizeof host, "node-%d", w->hosts_of ? ra->rank / w->hosts_of : ra->rank);
+    if (w->hosts_of < 0) host[0] = '\0';   /* no host identity at all */
     ddp_comm_config cfg = {.rank = ra->rank, .size = w->n, .prefix = w->prefix,
                            .advertise_host = "127.0.0.1", .bind_host = "127.0.0.1",
                            .timeout_ms = 20000, .version = "1.0.0", .host_id = host};
@@ -252,6 +254,7 @@ int main(void) {
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
         run_world(sizes[i], port, 0, "small collectives, links on first use", collectives);
     run_world(9, port, 0, "all_to_all (every pair dials at once)", everyone);
+    run_world(9, port, -1, "empty host identities (the member table keeps them)", everyone);
     run_world(16, port, 4, "hosts of 4 (shared memory, hierarchical)", hosts);
     run_world(12, port, 0, "a mismatched broadcast root", mismatch);
     run_world(12, port, 0, "a rank that is gone, at first use", gone);
