@@ -1,6 +1,6 @@
 """A rank that all-reduces in a loop until told to stop, for tests/test_multivm.py's
 partition and stopped-peer cases: prints READY after a few checked all_reduces, keeps
-going for --seconds, then PASS; if a collective raises, prints RAISED with the time, the
+going for --seconds (rank 0's clock decides, for every rank), then PASS; if a collective raises, prints RAISED with the time, the
 exception's class and message, and exits at once (os._exit: a partitioned peer must not
 make the exit wait either)."""
 import argparse
@@ -24,10 +24,17 @@ def main():
     want = sum(range(1, ws + 1))
     calls, ready_at = 0, None
     try:
-        while ready_at is None or time.time() - ready_at < a.seconds:
-            x = np.full(a.elems, rank + 1, dtype=np.float32)
+        while True:
+            # The last element is rank 0's verdict on the time, summed into every rank's
+            # copy, so all ranks stop after the same call (each checking its own clock
+            # could leave one rank in an all_reduce its peer never joins).
+            x = np.full(a.elems + 1, rank + 1, dtype=np.float32)
+            x[-1] = (rank == 0 and ready_at is not None
+                     and time.time() - ready_at >= a.seconds)
             dist.all_reduce(x)
-            assert np.all(x == want), x[:4]
+            assert np.all(x[:-1] == want), x[:4]
+            if x[-1]:
+                break
             calls += 1
             if calls == 5:
                 ready_at = time.time()
