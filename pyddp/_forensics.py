@@ -6,7 +6,8 @@ How it works, without touching the hot path:
 * Every world group (init_process_group's, or torch's "pyddp" backend's) has one
   :class:`Watcher`: a daemon thread holding its own store connection blocked in WAIT on
   ``<prefix>/stall/stuck/<i>``, the next incident's key, and a second short-timeout
-  connection for reports. The store's keys and records are declared once, in
+  connection for reports, both opened by the thread itself (init does not wait for
+  them). The store's keys and records are declared once, in
   ``csrc/core/ddp_forensics.h``; this module reads them through ``_C.FX_*``.
 * When a collective times out, the C worker announces it in the store before the group
   breaks (``ADD stuck_n``, ``SET stuck/<i> = rank, group tag, collective number``).
@@ -27,6 +28,7 @@ How it works, without touching the hot path:
   it raises: a script that exits on the error cannot cut the others' reports short.
 """
 import json
+import logging
 import os
 import re
 import sys
@@ -180,7 +182,6 @@ class Watcher:
     def __init__(self, group, torch_rendezvous=False):
         """torch_rendezvous: group is torch's "pyddp" backend's, over the store torch's
         rendezvous made (hosted by rank 0's process unless torchrun's agent hosts it)."""
-        from .store import TCPStore
         st = group._store
         self.group = group
         self.rank = group._world_rank
@@ -191,20 +192,45 @@ class Watcher:
             torch_rendezvous and self.rank == 0
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
         self._stop = False
-        host = st.host or "127.0.0.1"     # "" names a server this process hosts
-        # Connect with time to spare: torch's TCPStore servers (torchrun's agent store)
-        # now and then take 5 s to answer a new connection. Only the reports' requests
-        # are bounded by REPORT_WAIT_S.
-        connect = timedelta(seconds=CONNECT_S)
-        self.reports = TCPStore(host, st.port, timeout=connect)
-        self.reports.set_timeout(timedelta(seconds=REPORT_WAIT_S))
-        self._watch = TCPStore(host, st.port, timeout=connect)
-        self._watch.set_timeout(timedelta(hours=1))
-        group._pg.set_stall_store(self.reports._client, self.prefix)
+        self._lock = threading.Lock()     # _stop, the connections, arming the group
+        self.reports = self._watch = None  # set by the thread once connected
+        self._addr = (st.host or "127.0.0.1", st.port)   # "" names a server this process hosts
         self._thread = threading.Thread(target=self._run, name="pyddp-watcher", daemon=True)
         self._thread.start()
 
+    def _connect(self):
+        """On the watcher's thread, so that init never waits for it: open the two store
+        connections and arm the group's announcements (``set_stall_store``). False if
+        the watcher was stopped meanwhile, or the store cannot be reached (then a
+        warning: the job goes on without forensics). Until this returns, a timeout or
+        failure is not announced and an error gets no straggler summary."""
+        from .store import TCPStore
+        conns = []
+        try:
+            # Connect with time to spare: torch's TCPStore servers (torchrun's agent
+            # store) now and then take 5 s to answer a new connection. Only the
+            # reports' requests are bounded by REPORT_WAIT_S.
+            for wait in (REPORT_WAIT_S, 3600.0):
+                conns.append(TCPStore(*self._addr, timeout=timedelta(seconds=CONNECT_S)))
+                conns[-1].set_timeout(timedelta(seconds=wait))
+        except Exception as e:  # noqa: BLE001 - forensics are best effort; training is not
+            _close(conns)
+            if not self._stop:
+                logging.getLogger("pyddp").warning(
+                    "pyddp: rank %d: no straggler watcher (%s)", self.rank, e)
+            return False
+        with self._lock:
+            pg = self.group._pg
+            if self._stop or pg is None:
+                _close(conns)
+                return False
+            self.reports, self._watch = conns
+            pg.set_stall_store(self.reports._client, self.prefix)
+        return True
+
     def _run(self):
+        if not self._connect():
+            return
         i, told, dumped = 1, set(), set()
         while not self._stop:
             key = _stuck_key(self.prefix, i)
@@ -276,14 +302,22 @@ class Watcher:
     def stop(self, join_s=None):
         """End the watcher: close its store connections (its thread's WAIT then fails
         and the thread returns); with join_s, wait that long for the thread."""
-        self._stop = True
-        for s in (self._watch, self.reports):
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001
-                pass
+        with self._lock:
+            self._stop = True
+            _close((self._watch, self.reports))
         if join_s is not None and self._thread is not threading.current_thread():
             self._thread.join(join_s)
+
+
+def _close(stores):
+    """Close each store client of stores that is not None, ignoring errors."""
+    for s in stores:
+        if s is None:
+            continue
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def explain(group, err):
@@ -292,7 +326,7 @@ def explain(group, err):
     for the members' reports; a member that announced a timeout of its own on the same
     collective had reached it, so only the others' reports are waited for."""
     w = getattr(group, "_watcher", None)
-    if w is None or group._pg is None:
+    if w is None or group._pg is None or w.reports is None:
         return None
     try:
         tag = group._pg.progress()["tag"]

@@ -110,10 +110,7 @@ def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr
     g._advertise = advertise
     g._by_route = not _env.socket_ifname() and bool(master_addr)
     if world_size > 1:
-        try:
-            g._watcher = _forensics.Watcher(g, torch_rendezvous)
-        except _C.DistError as e:      # forensics are best effort; training is not
-            log.warning("pyddp: rank %d: no straggler watcher (%s)", rank, e)
+        g._watcher = _forensics.Watcher(g, torch_rendezvous)   # connects on its thread
     _forensics.install_signal_dump(dump_flight_record)
     if backend == "nccl":
         try:

@@ -173,6 +173,14 @@ class TCPStore:
         number of keys."""
         return self._client.multi_get(self._wire_keys(keys))
 
+    def multi_set(self, keys, values):
+        """Set keys[i] to values[i] (str or bytes) for every i, in one request (torch's
+        ``Store.multi_set``). keys and values must have one length."""
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise DistValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        self._client.multi_set(self._wire_keys(keys), [_as_bytes(v, "value") for v in values])
+
     def check(self, keys):
         """True if every key in keys exists right now."""
         return self._client.check(self._wire_keys(keys))

@@ -644,7 +644,8 @@ def test_server_counts_requests():
 
 def test_multi_get_on_pyddp_and_torch_servers():
     """TCPStore.multi_get: the values in the keys' order, against pyddp's server and
-    torch's; a key that never comes is a timeout, and the client still works."""
+    torch's; a key that never comes is a timeout, and the client still works. Then
+    multi_set, and its bad arguments refused before anything is sent."""
     import torch.distributed as td
     for torch_server in (False, True):
         srv = (td.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
@@ -660,6 +661,15 @@ def test_multi_get_on_pyddp_and_torch_servers():
             c.multi_get(["a", "never"])
         c.set_timeout(timedelta(seconds=10))
         assert c.get("a") == b"1"
+        # multi_set: one request, str or bytes values, the last of a repeated key wins
+        c.multi_set(["m1", "m2", "m1"], ["x", b"y", "z"])
+        assert c.multi_get(["m1", "m2"]) == [b"z", b"y"]
+        c.multi_set([], [])
+        with pytest.raises(_C.DistValueError, match="2 keys but 1 values"):
+            c.multi_set(["m1", "m2"], ["q"])
+        with pytest.raises(_C.DistTypeError):
+            c.multi_set(["m1"], [3])
+        assert c.get("m1") == b"z"
         c.close()
         if not torch_server:
             srv.close()

@@ -106,6 +106,12 @@ ddp_status ddp_store_wait(ddp_store *s, const char *const *keys,
  * failure every vals[i] is NULL. */
 ddp_status ddp_store_multi_get(ddp_store *s, const char *const *keys, const size_t *klens,
                                size_t n, void **vals, size_t *vlens, ddp_wait w);
+/* Set n keys in one MULTI_SET request (no reply, as SET): keys[i] to
+ * vals[i]; each waiter wakes as its key is set. Sizes are checked first
+ * (DDP_ERR_INVALID, nothing sent). */
+ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys, const size_t *klens,
+                               const void *const *vals, const size_t *vlens, size_t n,
+                               ddp_wait w);
 /* *ready = 1 if all keys exist. */
 ddp_status ddp_store_check(ddp_store *s, const char *const *keys,
                            const size_t *klens, size_t n, int *ready, ddp_wait w);

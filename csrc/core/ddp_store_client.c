@@ -340,6 +340,29 @@ ddp_status ddp_store_append(ddp_store *s, const char *key, size_t klen,
     return put(s, DDP_Q_APPEND, key, klen, val, vlen, w);
 }
 
+ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys, const size_t *klens,
+                               const void *const *vals, const size_t *vlens, size_t n,
+                               ddp_wait w) {
+    size_t total = 9;
+    for (size_t i = 0; i < n; i++) {
+        ddp_status st = check_sizes(klens[i], vlens[i]);
+        if (st != DDP_OK) return ddp_error_prefix(st, "store multi_set: ");
+        total += 16 + klens[i] + vlens[i];
+    }
+    if (n > DDP_STORE_MAX_COUNT || total > DDP_STORE_MAX_BUFFERED)
+        return ddp_error(DDP_ERR_INVALID, "store multi_set: %zu keys in %zu bytes exceed one "
+                         "request's limits (%llu keys, %zu MiB): set them in parts", n, total,
+                         (unsigned long long)DDP_STORE_MAX_COUNT, DDP_STORE_MAX_BUFFERED >> 20);
+    ddp_status st = begin(s, w, DDP_Q_MULTI_SET);
+    if (st != DDP_OK) return st;
+    ddp_wbuf_u64(&s->req, (uint64_t)n);
+    for (size_t i = 0; i < n; i++) {
+        ddp_wbuf_str(&s->req, keys[i], klens[i]);
+        ddp_wbuf_str(&s->req, vals[i], vlens[i]);
+    }
+    return done(s, send_req(s, w), "multi_set");
+}
+
 /* Append "u64 n, n keys" to the request being built. */
 static void put_keys(ddp_store *s, const char *const *keys, const size_t *klens,
                      size_t n) {

@@ -29,7 +29,6 @@
 #define DDP_STORE_ALLOWANCE ((size_t)64 << 10)
 #define DDP_STORE_ALLOWANCE_POOL ((size_t)64 << 20)
 #define DDP_STORE_READ_CHUNK ((size_t)64 << 10)     /* bytes asked of one recv at most */
-#define DDP_STORE_MAX_BUFFERED ((size_t)256 << 20)  /* one request may not exceed this */
 
 typedef struct ddp_store_conn {
     int fd;

@@ -21,6 +21,7 @@
 #define DDP_STORE_MAX_VALUE ((size_t)64 << 20)
 #define DDP_STORE_MAX_COUNT ((uint64_t)1 << 20)  /* keys in one CHECK/WAIT/MULTI_* */
 #define DDP_STORE_MAX_REPLY ((uint64_t)1 << 30)  /* largest value a client accepts */
+#define DDP_STORE_MAX_BUFFERED ((size_t)256 << 20)  /* one request may not exceed this */
 
 enum { DDP_WAIT_STOP_WAITING = 0, DDP_WAIT_CANCELED = 1 };
 enum { DDP_CHECK_READY = 0, DDP_CHECK_NOT_READY = 1 };

@@ -38,7 +38,7 @@ static PyTypeObject *ClientType, *ServerType;
 /* ---- one store call, run with the GIL released ----------------------- */
 
 enum { OP_SET, OP_GET, OP_ADD, OP_APPEND, OP_WAIT, OP_CHECK, OP_CAS, OP_DELETE,
-       OP_NUMKEYS, OP_CONNECT, OP_MGET };
+       OP_NUMKEYS, OP_CONNECT, OP_MGET, OP_MSET };
 
 typedef struct {
     int op;
@@ -46,8 +46,10 @@ typedef struct {
     ddp_wait w;
     atomic_int abort;
     Py_buffer key, val, val2;        /* key, value / expected, desired */
-    const char **keys;               /* WAIT / CHECK */
+    const char **keys;               /* WAIT / CHECK / MULTI_* */
     size_t *klens, nkeys;
+    const char **ivals;              /* MULTI_SET values (the caller's bytes) */
+    size_t *ivlens;
     const char *host;                /* CONNECT */
     int port;
     int64_t num;                     /* ADD delta in; ADD/DELETE/NUMKEYS result out */
@@ -90,6 +92,10 @@ static void call_run(void *p) {
     case OP_MGET:
         c->st = ddp_store_multi_get(c->s, c->keys, c->klens, c->nkeys, c->vals, c->vlens, c->w);
         break;
+    case OP_MSET:
+        c->st = ddp_store_multi_set(c->s, c->keys, c->klens, (const void *const *)c->ivals,
+                                    c->ivlens, c->nkeys, c->w);
+        break;
     }
     if (c->st != DDP_OK) ddp_copy_error(c->msg, sizeof c->msg);
 }
@@ -110,6 +116,8 @@ static void call_release(call *c) {
     PyMem_Free(c->vlens);
     PyMem_Free(c->keys);
     PyMem_Free(c->klens);
+    PyMem_Free(c->ivals);
+    PyMem_Free(c->ivlens);
     free(c->out);
 }
 
@@ -145,28 +153,36 @@ static int call_do(ClientObject *self, call *c) {
 }
 
 /* Fill c->keys from a sequence of bytes objects (kept alive by keys_fast). */
-static int parse_keys(call *c, PyObject *seq, PyObject **keys_fast) {
-    *keys_fast = PySequence_Fast(seq, "keys must be a list of bytes");
-    if (*keys_fast == NULL) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(*keys_fast);
-    c->keys = PyMem_Calloc(n ? (size_t)n : 1, sizeof *c->keys);
-    c->klens = PyMem_Calloc(n ? (size_t)n : 1, sizeof *c->klens);
-    if (c->keys == NULL || c->klens == NULL) {
+/* A list of bytes as (pointer, length) arrays *ptrs and *lens of *n items,
+ * pointing into the objects of *fast (a new reference the caller keeps until
+ * the call is over). -1 with an exception set (TypeError naming what). */
+static int parse_bytes_list(PyObject *seq, const char *what, PyObject **fast,
+                            const char ***ptrs, size_t **lens, size_t *n) {
+    *fast = PySequence_Fast(seq, what);
+    if (*fast == NULL) return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(*fast);
+    *ptrs = PyMem_Calloc(m ? (size_t)m : 1, sizeof **ptrs);
+    *lens = PyMem_Calloc(m ? (size_t)m : 1, sizeof **lens);
+    if (*ptrs == NULL || *lens == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PySequence_Fast_GET_ITEM(*keys_fast, i);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(*fast, i);
         if (!PyBytes_Check(k)) {
-            PyErr_Format(PyExc_TypeError, "keys must be bytes, not %.80s",
-                         Py_TYPE(k)->tp_name);
+            PyErr_Format(PyExc_TypeError, "%s, not %.80s", what, Py_TYPE(k)->tp_name);
             return -1;
         }
-        c->keys[i] = PyBytes_AS_STRING(k);
-        c->klens[i] = (size_t)PyBytes_GET_SIZE(k);
+        (*ptrs)[i] = PyBytes_AS_STRING(k);
+        (*lens)[i] = (size_t)PyBytes_GET_SIZE(k);
     }
-    c->nkeys = (size_t)n;
+    *n = (size_t)m;
     return 0;
+}
+
+static int parse_keys(call *c, PyObject *seq, PyObject **keys_fast) {
+    return parse_bytes_list(seq, "keys must be a list of bytes", keys_fast, &c->keys,
+                            &c->klens, &c->nkeys);
 }
 
 /* Timeout argument: None means the client's default. */
@@ -297,6 +313,35 @@ fail:
     call_release(&c);
     return NULL;
 }
+/* multi_set(keys, values): one MULTI_SET request (keys and values lists of
+ * bytes, of one length). */
+static PyObject *cl_multi_set(ClientObject *self, PyObject *args) {
+    PyObject *kseq, *vseq, *kfast = NULL, *vfast = NULL;
+    size_t nv = 0;
+    call c;
+    if (!PyArg_ParseTuple(args, "OO:multi_set", &kseq, &vseq)) return NULL;
+    call_init(&c, OP_MSET, self->timeout_ms);
+    if (parse_keys(&c, kseq, &kfast) < 0 ||
+        parse_bytes_list(vseq, "values must be a list of bytes", &vfast, &c.ivals,
+                         &c.ivlens, &nv) < 0)
+        goto fail;
+    if (nv != c.nkeys) {
+        PyErr_Format(PyExc_ValueError, "multi_set: %zu keys but %zu values", c.nkeys, nv);
+        goto fail;
+    }
+    int rc = call_do(self, &c);   /* releases c on failure */
+    Py_DECREF(kfast);
+    Py_DECREF(vfast);
+    if (rc < 0) return NULL;
+    call_release(&c);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(kfast);
+    Py_XDECREF(vfast);
+    call_release(&c);
+    return NULL;
+}
+
 static PyObject *cl_check(ClientObject *self, PyObject *args) {
     return cl_keys(self, args, OP_CHECK);
 }
@@ -373,6 +418,8 @@ static PyMethodDef cl_methods[] = {
     {"check", (PyCFunction)cl_check, METH_VARARGS, "check(keys) -> bool"},
     {"multi_get", (PyCFunction)cl_multi_get, METH_VARARGS,
      "multi_get(keys) -> [bytes] (waits for every key, then one request)"},
+    {"multi_set", (PyCFunction)cl_multi_set, METH_VARARGS,
+     "multi_set(keys, values): every key set in one request"},
     {"compare_set", (PyCFunction)cl_compare_set, METH_VARARGS,
      "compare_set(key, expected, desired) -> bytes"},
     {"delete_key", (PyCFunction)cl_delete_key, METH_VARARGS, "delete_key(key) -> bool"},

@@ -11,9 +11,10 @@ the store itself, under ``<base>`` (``/pyddp/<run id>/<generation>``):
    round ``R`` after its own nonce and an attempt number, and writes ``R`` to
    ``<base>/round/<nonce of rank r>`` for every rank;
 3. rank r reads ``<base>/round/<its nonce>``, writes ``<base>/ack/<R>/<r>``, adds one
-   to ``<base>/acks/<R>`` and waits for ``<base>/go/<R>``;
-4. rank 0 sets ``go/<R>`` to ``go`` once every rank acknowledged (the count reached
-   n - 1). A nonce read in step 2
+   to ``<base>/acks/<R>`` (the rank whose add makes it n - 1 also sets
+   ``<base>/acked/<R>``) and waits for ``<base>/go/<R>``;
+4. rank 0 sets ``go/<R>`` to ``go`` once every rank acknowledged (``acked/<R>``
+   exists). A nonce read in step 2
    may be a dead process's from an earlier round (its successor has not started yet):
    that rank never acknowledges, and when its ``hello`` key changes rank 0 names a new
    round ``R'`` for the nonces it now sees, then sets ``go/<R>`` to ``void`` so that
@@ -29,8 +30,7 @@ from datetime import timedelta
 
 from .. import _C
 
-_POLL_S = 0.01   # rank 0 polls the acknowledgement count
-_LOOK_S = 1.0    # and looks for restarted ranks (one request per rank)
+_LOOK_S = 1.0    # rank 0 looks for restarted ranks this often (one request per rank)
 
 
 def agree(store, base, rank, world_size, timeout_s):
@@ -50,7 +50,8 @@ def agree(store, base, rank, world_size, timeout_s):
         _wait(store, key, deadline, timeout_s, f"rank 0's round for rank {rank}")
         name = store.get(key).decode()
         store.set(f"{base}/ack/{name}/{rank}", "1")
-        store.add(f"{base}/acks/{name}", 1)
+        if store.add(f"{base}/acks/{name}", 1) == world_size - 1:
+            store.set(f"{base}/acked/{name}", "1")    # the last to acknowledge wakes rank 0
         go = f"{base}/go/{name}"
         _wait(store, go, deadline, timeout_s, "rank 0's go")
         if store.get(go) == b"go":
@@ -60,11 +61,11 @@ def agree(store, base, rank, world_size, timeout_s):
 
 def _lead(store, base, nonce, world_size, deadline, timeout_s):
     """Rank 0's part: name rounds until every rank acknowledges one (see above). Its
-    store requests grow with the world only where they must (a read of every nonce,
-    a write of every rank's round): the hellos are waited for in one request, and the
-    acknowledgements counted in one key, polled with one request; the per-rank keys are
-    read only to name the missing at a timeout, and to look for restarted ranks about
-    once a second."""
+    store requests do not grow with the world: the hellos are waited for in one request
+    and read in one, every rank's round is written in one, and the acknowledgements are
+    counted in one key whose last adder sets ``acked/<R>``, which rank 0 waits for; the
+    per-rank keys are read only to name the missing at a timeout, and to look for
+    restarted ranks about once a second while it waits."""
     hello = [f"{base}/hello/{r}" for r in range(world_size)]
     try:
         store.wait(hello[1:], timeout=timedelta(seconds=max(deadline - time.monotonic(),
@@ -78,27 +79,28 @@ def _lead(store, base, nonce, world_size, deadline, timeout_s):
     attempt, old = 0, None
     while True:
         name = f"{nonce[:16]}.{attempt}"
-        for r in range(1, world_size):
-            store.set(f"{base}/round/{nonces[r]}", name)
+        _write_all(store, [f"{base}/round/{nonces[r]}" for r in range(1, world_size)], name)
         if old is not None:
             store.set(f"{base}/go/{old}", "void")
-        count, changed, looked = f"{base}/acks/{name}", [], time.monotonic()
-        while store.add(count, 0) < world_size - 1:
-            now = time.monotonic()
-            if now - looked >= _LOOK_S or now >= deadline:
-                looked = now
-                missing = [r for r in range(1, world_size)
-                           if not store.check([f"{base}/ack/{name}/{r}"])]
-                now_n = dict(zip(missing, _read_all(store, [hello[r] for r in missing])))
-                changed = [r for r in missing if now_n[r].decode() != nonces[r]]
-                if changed:
-                    break
-                if missing and now >= deadline:
-                    raise _C.DistTimeoutError(
-                        f"rank 0: ranks {missing} did not join this start's rendezvous "
-                        f"round within {timeout_s:.0f} s (their last announced process "
-                        f"never answered). Check that every node was started for this job.")
-            time.sleep(_POLL_S)
+        acked, changed = f"{base}/acked/{name}", []
+        while True:
+            try:
+                store.wait([acked], timeout=timedelta(seconds=max(
+                    min(_LOOK_S, deadline - time.monotonic()), 0.001)))
+                break
+            except _C.DistTimeoutError:
+                pass
+            missing = [r for r in range(1, world_size)
+                       if not store.check([f"{base}/ack/{name}/{r}"])]
+            now_n = dict(zip(missing, _read_all(store, [hello[r] for r in missing])))
+            changed = [r for r in missing if now_n[r].decode() != nonces[r]]
+            if changed:
+                break
+            if missing and time.monotonic() >= deadline:
+                raise _C.DistTimeoutError(
+                    f"rank 0: ranks {missing} did not join this start's rendezvous "
+                    f"round within {timeout_s:.0f} s (their last announced process "
+                    f"never answered). Check that every node was started for this job.")
         if not changed:
             store.set(f"{base}/go/{name}", "go")
             return name
@@ -114,6 +116,17 @@ def _read_all(store, keys):
         return []
     multi = getattr(store, "multi_get", None)
     return multi(keys) if multi is not None else [store.get(k) for k in keys]
+
+
+def _write_all(store, keys, value):
+    """Set every key to value: one request on a store with multi_set (pyddp's, and
+    torch's own), one per key otherwise."""
+    multi = getattr(store, "multi_set", None)
+    if multi is not None:
+        multi(keys, [value] * len(keys))
+    else:
+        for k in keys:
+            store.set(k, value)
 
 
 def _wait(store, key, deadline, timeout_s, what):

@@ -530,6 +530,25 @@ static void test_request_count(void) {
     T_STATUS(ddp_store_multi_get(s, keys, klens, 3, vals, vlens, W(300)), DDP_ERR_TIMEOUT);
     T_ASSERT(vals[0] == NULL && vals[1] == NULL && vals[2] == NULL);
     expect_value(s, "/k", "v");
+    /* multi_set: every key in one request, the last of a repeated key winning */
+    const char *mk[3] = {"/s1", "/s2", "/s1"};
+    size_t mkl[3] = {3, 3, 3}, mvl[3] = {1, 2, 3};
+    const void *mv[3] = {"a", "bb", "ccc"};
+    before = ddp_store_server_requests(srv);
+    T_OK(ddp_store_multi_set(s, mk, mkl, mv, mvl, 3, W(5000)));
+    T_OK(ddp_store_num_keys(s, &r, W(5000)));
+    T_ASSERT(ddp_store_server_requests(srv) == before + 2);
+    expect_value(s, "/s1", "ccc");
+    expect_value(s, "/s2", "bb");
+    T_OK(ddp_store_multi_set(s, mk, mkl, mv, mvl, 0, W(5000)));   /* none: a no-op */
+    T_OK(ddp_store_num_keys(s, &r, W(5000)));   /* a reply: the MULTI_SET was served */
+    /* a value over the limit: refused before anything is sent */
+    mvl[1] = DDP_STORE_MAX_VALUE + 1;
+    before = ddp_store_server_requests(srv);
+    T_STATUS(ddp_store_multi_set(s, mk, mkl, mv, mvl, 3, W(5000)), DDP_ERR_INVALID);
+    T_OK(ddp_store_num_keys(s, &r, W(5000)));
+    T_ASSERT(ddp_store_server_requests(srv) == before + 1);
+    expect_value(s, "/s1", "ccc");
     ddp_store_close(s);
     ddp_store_server_stop(srv);
 }
