@@ -47,14 +47,11 @@ def agree(store, base, rank, world_size, timeout_s):
         return _lead(store, base, nonce, world_size, deadline, timeout_s)
     key = f"{base}/round/{nonce}"
     while True:
-        _wait(store, key, deadline, timeout_s, f"rank 0's round for rank {rank}")
-        name = store.get(key).decode()
+        name = _get(store, key, deadline, timeout_s, f"rank 0's round for rank {rank}").decode()
         store.set(f"{base}/ack/{name}/{rank}", "1")
         if store.add(f"{base}/acks/{name}", 1) == world_size - 1:
             store.set(f"{base}/acked/{name}", "1")    # the last to acknowledge wakes rank 0
-        go = f"{base}/go/{name}"
-        _wait(store, go, deadline, timeout_s, "rank 0's go")
-        if store.get(go) == b"go":
+        if _get(store, f"{base}/go/{name}", deadline, timeout_s, "rank 0's go") == b"go":
             return name
         # void: rank 0 wrote this rank's new round before voiding the old one
 
@@ -129,12 +126,16 @@ def _write_all(store, keys, value):
             store.set(k, value)
 
 
-def _wait(store, key, deadline, timeout_s, what):
-    """Wait for key to exist until deadline (a clear DistTimeoutError after it)."""
-    left = deadline - time.monotonic()
+def _get(store, key, deadline, timeout_s, what):
+    """key's value, waiting for it until deadline (a clear DistTimeoutError after it):
+    one GET with the store's timeout set to what is left, then restored."""
+    old = store.timeout
+    store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     try:
-        store.wait([key], timeout=timedelta(seconds=max(left, 0.001)))
+        return store.get(key)
     except _C.DistTimeoutError:
         raise _C.DistTimeoutError(
             f"waited {timeout_s:.0f} s for {what} in the rendezvous round; check that "
             f"every node was started for this job") from None
+    finally:
+        store.set_timeout(old)
