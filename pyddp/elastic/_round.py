@@ -21,8 +21,9 @@ the store itself, under ``<base>`` (``/pyddp/<run id>/<generation>``):
    the ranks that acknowledged ``R`` read their round key again.
 
 Only live processes of this start acknowledge, so the ranks that receive ``go`` all
-hold one round, and keys under ``<base>/<R>`` are never an earlier round's. On a store
-this start's rank 0 hosts (a fresh one) it costs four store round trips.
+hold one round, and keys under ``<base>/<R>`` are never an earlier round's. When every
+rank is live it costs rank 0 four store round trips and every other rank five (two
+GETs, each a WAIT and then a read, and an ADD), whatever the world size.
 """
 import time
 import uuid
