@@ -82,9 +82,8 @@ static ddp_status lock(ddp_store *s, ddp_wait w) {
         if (ddp_wait_aborted(w))
             return ddp_error(DDP_ERR_ABORTED, "store request to %s aborted", s->peer);
         if (ddp_wait_expired(w))
-            return ddp_error(DDP_ERR_TIMEOUT, "store request to %s timed out waiting "
-                             "for another thread's request on the same connection",
-                             s->peer);
+            return ddp_error(DDP_ERR_TIMEOUT, "store request to %s timed out waiting for "
+                             "another thread's request on the same connection", s->peer);
     }
 }
 
@@ -343,16 +342,15 @@ ddp_status ddp_store_append(ddp_store *s, const char *key, size_t klen,
 ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys, const size_t *klens,
                                const void *const *vals, const size_t *vlens, size_t n,
                                ddp_wait w) {
-    size_t total = 9;
+    size_t total = 9;   /* the request: query, count, each key and value with its length */
     for (size_t i = 0; i < n; i++) {
         ddp_status st = check_sizes(klens[i], vlens[i]);
         if (st != DDP_OK) return ddp_error_prefix(st, "store multi_set: ");
         total += 16 + klens[i] + vlens[i];
     }
-    if (n > DDP_STORE_MAX_COUNT || total > DDP_STORE_MAX_BUFFERED)
-        return ddp_error(DDP_ERR_INVALID, "store multi_set: %zu keys in %zu bytes exceed one "
-                         "request's limits (%llu keys, %zu MiB): set them in parts", n, total,
-                         (unsigned long long)DDP_STORE_MAX_COUNT, DDP_STORE_MAX_BUFFERED >> 20);
+    if (n > DDP_STORE_MAX_COUNT || total > DDP_STORE_MAX_BUFFERED)   /* the server's limits */
+        return ddp_error(DDP_ERR_INVALID, "store multi_set: %zu keys in %zu bytes are more "
+                         "than one request may carry: set them in parts", n, total);
     ddp_status st = begin(s, w, DDP_Q_MULTI_SET);
     if (st != DDP_OK) return st;
     ddp_wbuf_u64(&s->req, (uint64_t)n);
@@ -395,8 +393,7 @@ static ddp_status cancel_wait(ddp_store *s, const atomic_int *abort, int *raced)
     *raced = st == DDP_OK && r == DDP_WAIT_STOP_WAITING;
     if (*raced) st = recv_exact(s, &r, 1, g);
     if (st == DDP_OK && r != DDP_WAIT_CANCELED)
-        st = io_fail(s, ddp_error(DDP_ERR_PROTOCOL, "unexpected reply %u to CANCEL_WAIT",
-                                  r));
+        st = io_fail(s, ddp_error(DDP_ERR_PROTOCOL, "unexpected reply %u to CANCEL_WAIT", r));
     return st;
 }
 

@@ -31,6 +31,7 @@ static int add_forensics_schema(PyObject *m) {
 static int ddp_exec(PyObject *m) {
     if (ddp_py_errors_register(m) < 0) return -1;
     if (ddp_py_store_register(m) < 0) return -1;
+    if (ddp_py_store_server_register(m) < 0) return -1;
     if (ddp_py_pg_register(m) < 0) return -1;
     if (ddp_py_net_register(m) < 0) return -1;
     if (ddp_py_nccl_register(m) < 0) return -1;

@@ -99,6 +99,7 @@ int ddp_py_torch_cpu_tensor(PyObject *tensor_type, PyObject *strided, PyObject *
 /* Module exec hooks (return 0 on success, -1 with an exception set). */
 int ddp_py_errors_register(PyObject *m);
 int ddp_py_store_register(PyObject *m);
+int ddp_py_store_server_register(PyObject *m);
 int ddp_py_pg_register(PyObject *m);
 int ddp_py_net_register(PyObject *m);
 int ddp_py_reducer_register(PyObject *m);
