@@ -1,8 +1,8 @@
 """A rank that all-reduces in a loop until told to stop, for tests/test_multivm.py's
 partition and stopped-peer cases: prints READY after a few checked all_reduces, keeps
-going for --seconds (rank 0's clock decides, for every rank), then PASS; if a collective raises, prints RAISED with the time, the
-exception's class and message, and exits at once (os._exit: a partitioned peer must not
-make the exit wait either)."""
+going for --seconds (rank 0's clock decides, for every rank), then PASS; if a collective
+raises, prints RAISED with the time, the exception's class and message, and exits at
+once (os._exit: a partitioned peer must not make the exit wait either)."""
 import argparse
 import json
 import os
