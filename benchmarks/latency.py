@@ -153,7 +153,7 @@ def hook_call_cost(dist, torch, model, x, rounds):
     """Microseconds per call of the hooks themselves, without autograd around them: in
     an expected synced backward (after a forward) each parameter's registered C hook
     (GradHooks.hook) is called on it in turn, against the Python path it falls back to
-    (GradSync.on_grad through a weak reference, as _ddp_torch._on_grad does). The
+    (GradSync.on_grad through a weak reference, as pyddp.ddp._torch._on_grad does). The
     end-of-backward callback cannot be queued outside backward, so `first` is a no-op
     while this runs, and finalize() is called directly."""
     import weakref

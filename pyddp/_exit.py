@@ -79,7 +79,7 @@ def quiesce():
     """Stop every pyddp thread that could run Python code during finalization: the
     torch backend's completion pool, pyddp's completion thread, the live groups'
     straggler watchers (see the module's docstring)."""
-    tw = sys.modules.get("pyddp._torch_work")
+    tw = sys.modules.get("pyddp.torch_backend._work")
     if tw is not None:
         tw._DISPATCH.quiesce(QUIESCE_S)
     _C.completion_park(QUIESCE_S)

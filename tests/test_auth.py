@@ -322,7 +322,7 @@ def test_torchrun_with_token():
 
 
 def test_doctor_never_shows_the_token(monkeypatch):
-    from pyddp import _doctor_facts
+    from pyddp.doctor import _facts as _doctor_facts
     monkeypatch.setenv("PYDDP_AUTH_TOKEN", "do-not-print-me")
     facts = _doctor_facts.settings()
     assert "do-not-print-me" not in repr(facts)

@@ -263,7 +263,7 @@ def test_two_hosts_through_network_namespaces():
 
 def made_up(host, addr, iface="eth0", **over):
     """This process's facts, moved to another host and address."""
-    from pyddp import _doctor_facts
+    from pyddp.doctor import _facts as _doctor_facts
     f = _doctor_facts.gather(None, 2.0)
     f.update(host=host, host_id=f"boot|{host}|net", primary=addr)
     f["advertise"] = {"addr": addr, "iface": iface, "how": "test", "fallback": False,
@@ -277,7 +277,7 @@ def made_up(host, addr, iface="eth0", **over):
 def test_c10d_hostname_on_loopback_across_hosts():
     """torchrun's c10d form: MASTER_ADDR is rank 0's host name, which maps to 127.0.1.1
     there, so rank 0 advertises loopback while rank 1 is on another host."""
-    from pyddp import _doctor_checks as chk
+    from pyddp.doctor import _checks as chk
     a = made_up("node-a", "127.0.0.1", "lo")
     a["names"]["addrs"]["node-a"] = ["127.0.1.1"]
     b = made_up("node-b", "10.0.0.2")
@@ -295,7 +295,7 @@ def test_c10d_hostname_on_loopback_across_hosts():
 
 
 def test_made_up_differences_between_hosts():
-    from pyddp import _doctor_checks as chk
+    from pyddp.doctor import _checks as chk
     a, b = made_up("node-a", "172.17.0.1"), made_up("node-b", "172.17.0.1")
     b["settings"] = dict(b["settings"], small_bytes=1024)
     b["nccl"] = {"version": "2.21.5", "path": "x", "cudart_path": "y", "cudart": "12.4",
@@ -309,7 +309,7 @@ def test_made_up_differences_between_hosts():
 
 
 def test_made_up_slow_paths_are_warnings():
-    from pyddp import _doctor_checks as chk
+    from pyddp.doctor import _checks as chk
     f = made_up("node-a", "10.0.0.1", shm_free=16 << 20,
                 cma={"ptrace_scope": 1, "enabled": True, "probe": "error: Operation not "
                      "permitted"})

@@ -1,14 +1,15 @@
 """The shape of the Python layer, checked from its source (no process group is made).
 
-* The import graph of pyddp/*.py has no cycle. Every import counts, also the ones
-  deferred into a function body: a module that imports another only lazily still
-  depends on it. ``from . import x`` and ``from pyddp import x`` are edges to module x
-  when x is a module of the package, else (a name) to the package's ``__init__``, as
-  ``import pyddp`` is. The one upward edge allowed by design is none: what a lower
-  module needs from a higher one is handed to it (``_ddp_common.DistributedDataParallel
-  ._front``, ``_forensics.install_signal_dump(dump)``).
-* No pyddp/*.py is over 550 lines, and each starts with a docstring saying what it is
-  for.
+* The import graph of pyddp's modules, subpackages included (a package counts as its
+  ``__init__``), has no cycle. Every import counts, also the ones deferred into a
+  function body: a module that imports another only lazily still depends on it.
+  ``from . import x`` and ``from pyddp import x`` are edges to module x when x is a
+  module, else (a name) to the package that defines it, as ``import pyddp`` is an edge
+  to the top-level ``__init__``. The one upward edge allowed by design is none: what a
+  lower module needs from a higher one is handed to it
+  (``ddp._common.DistributedDataParallel._front``,
+  ``_forensics.install_signal_dump(dump)``).
+* No module is over 550 lines, and each starts with a docstring saying what it is for.
 * No PYDDP_* variable is read from the environment except through the settings table
   (``_C.setting``/``_C.setting_text``): no ``os.environ``/``os.getenv`` lookup of a
   PYDDP_* name, spelled out or through a module-level constant.
@@ -26,40 +27,89 @@ import pytest
 from launch import ROOT
 
 PKG = os.path.join(ROOT, "pyddp")
-MODULES = sorted(f[:-3] for f in os.listdir(PKG) if f.endswith(".py"))
+
+
+def _modules():
+    """Every Python module of the package, subpackages included, by its dotted name
+    under pyddp ("_world", "ddp._torch", "elastic"): a package is its __init__."""
+    out = []
+    for d, _dirs, files in os.walk(PKG):
+        rel = os.path.relpath(d, PKG)
+        parts = [] if rel == "." else rel.split(os.sep)
+        if parts and not os.path.exists(os.path.join(d, "__init__.py")):
+            continue
+        for f in files:
+            if f.endswith(".py"):
+                name = parts + ([] if f == "__init__.py" else [f[:-3]])
+                out.append(".".join(name) or "__init__")
+    return sorted(out)
+
+
+MODULES = _modules()
+PACKAGES = {m for m in MODULES if os.path.isdir(os.path.join(PKG, *m.split(".")))}
 # the extension module (_C): a submodule, but no Python source, outside the graph
 EXTENSIONS = {f.split(".")[0] for f in os.listdir(PKG) if f.endswith(".so")} | {"_C"}
 MAX_LINES = 550
 
 
+def _path(mod):
+    if mod == "__init__":
+        return os.path.join(PKG, "__init__.py")
+    p = os.path.join(PKG, *mod.split("."))
+    return os.path.join(p, "__init__.py") if os.path.isdir(p) else p + ".py"
+
+
 def _tree(mod):
-    with open(os.path.join(PKG, mod + ".py")) as f:
-        return ast.parse(f.read(), mod + ".py")
+    with open(_path(mod)) as f:
+        return ast.parse(f.read(), _path(mod))
+
+
+def _package_of(mod):
+    """The package mod's relative imports start from ("" for the top level)."""
+    if mod in PACKAGES:
+        return mod
+    return mod.rpartition(".")[0] if "." in mod else ""
+
+
+def _known(name):
+    """name (dotted, under pyddp) as a module of the graph: itself, or the package
+    (or module) that holds it; "__init__" for the top level."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return "__init__"
 
 
 def _imports(mod):
-    """The modules of the package that mod imports, anywhere in its body."""
+    """The modules of the package that mod imports, anywhere in its body (deferred
+    imports count)."""
     out = set()
     for node in ast.walk(_tree(mod)):
         if isinstance(node, ast.ImportFrom):
-            if node.level > 1:
-                raise AssertionError(f"{mod}: relative import beyond the package")
-            if node.level == 1:
-                base = node.module
+            if node.level:
+                base = _package_of(mod).split(".") if _package_of(mod) else []
+                if node.level - 1 > len(base):
+                    raise AssertionError(f"{mod}: relative import beyond the package")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
             elif node.module and node.module.split(".")[0] == "pyddp":
-                base = node.module[len("pyddp."):] if "." in node.module else None
+                target = node.module[len("pyddp."):] if "." in node.module else ""
             else:
                 continue
-            if base:
-                out.add(base.split(".")[0])
-            else:
-                out.update(a.name if a.name in MODULES or a.name in EXTENSIONS
-                           else "__init__" for a in node.names)
+            for a in node.names:
+                sub = f"{target}.{a.name}" if target else a.name
+                if sub in MODULES:
+                    out.add(sub)
+                elif a.name in EXTENSIONS and not target:
+                    continue
+                else:
+                    out.add(_known(target))
         elif isinstance(node, ast.Import):
             for a in node.names:
                 parts = a.name.split(".")
                 if parts[0] == "pyddp":
-                    out.add(parts[1] if len(parts) > 1 else "__init__")
+                    out.add(_known(".".join(parts[1:])))
     out.discard(mod)
     return sorted(m for m in out if m in MODULES)
 
@@ -96,19 +146,19 @@ def test_the_import_graph_has_no_cycle():
 def test_the_cycle_check_finds_a_deferred_cycle():
     """The check itself, on a graph with the shape of an old cycle (a module importing
     its importer inside a function)."""
-    assert _cycle({"ddp": ["_ddp_torch"], "_ddp_torch": ["ddp"]}) == \
-        ["ddp", "_ddp_torch", "ddp"]
+    assert _cycle({"ddp": ["ddp._torch"], "ddp._torch": ["ddp"]}) == \
+        ["ddp", "ddp._torch", "ddp"]
     assert _cycle({"a": ["b"], "b": ["c"], "c": []}) is None
 
 
 @pytest.mark.parametrize("mod", MODULES)
 def test_module_size_and_docstring(mod):
-    with open(os.path.join(PKG, mod + ".py")) as f:
+    with open(_path(mod)) as f:
         n = sum(1 for _ in f)
-    assert n <= MAX_LINES, f"pyddp/{mod}.py has {n} lines (at most {MAX_LINES})"
+    assert n <= MAX_LINES, f"{_path(mod)} has {n} lines (at most {MAX_LINES})"
     if mod != "_version":
         doc = ast.get_docstring(_tree(mod))
-        assert doc and len(doc.split()) >= 5, f"pyddp/{mod}.py has no header docstring"
+        assert doc and len(doc.split()) >= 5, f"{_path(mod)} has no header docstring"
 
 
 def _env_reads(mod):
@@ -151,7 +201,7 @@ def _env_reads(mod):
 
 
 def test_settings_are_read_only_through_the_table():
-    bad = [f"pyddp/{m}.py:{line}: {key}" for m in MODULES for line, key in _env_reads(m)]
+    bad = [f"{_path(m)}:{line}: {key}" for m in MODULES for line, key in _env_reads(m)]
     assert not bad, "PYDDP_* read outside _C.setting/_C.setting_text:\n" + "\n".join(bad)
 
 
@@ -248,6 +298,6 @@ def test_no_other_source_spells_the_records_out():
                 code = re.sub(r"/\*.*?\*/", "", src, flags=re.S)
                 bad += [f"{d}/{f}: {m}" for m in spelled.findall(code)]
     for m in MODULES:
-        bad += [f"pyddp/{m}.py: {s!r}" for s in _code_strings(os.path.join(PKG, m + ".py"))
+        bad += [f"{_path(m)}: {s!r}" for s in _code_strings(_path(m))
                 if spelled.search(s)]
     assert not bad, bad

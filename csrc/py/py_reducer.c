@@ -1,5 +1,5 @@
 /* py_reducer.c - pyddp._C.Reducer: the Python face of the gradient reducer
- * (csrc/core/ddp_reducer.h). pyddp/_ddp_reducer.py drives it. How it holds
+ * (csrc/core/ddp_reducer.h). pyddp/ddp/_reducer.py drives it. How it holds
  * and uses its process group (attach, abort, the drain waits) is in
  * py_reducer_pg.c.
  *

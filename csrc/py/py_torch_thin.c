@@ -2,7 +2,7 @@
  * and the one C test for a contiguous CPU torch tensor.
  *
  * ProcessGroup.torch_run(kind, tensors, opts, timeout_ms) is what
- * pyddp/_torch_pg.py's allreduce, broadcast, reduce and barrier call first:
+ * pyddp/torch_backend/_pg.py's allreduce, broadcast, reduce and barrier call first:
  * it reads torch's options (asyncOp, reduceOp, rootRank) and the one tensor's
  * facts (class, dtype, device, layout, contiguity, size, address) here in C
  * instead of in Python, and runs a blocking collective through
@@ -16,7 +16,7 @@
  * other than SUM, AVG, PRODUCT, MIN and MAX (PREMUL_SUM, the bitwise ops),
  * or a torch whose ReduceOp hash was not proven to name the op.
  *
- * torch is never imported: _torch_pg.py hands its classes over once through
+ * torch is never imported: torch_backend/_pg.py hands its classes over once through
  * _C.torch_thin_config (torch.Tensor, torch.strided, dtype -> DT_* code, and
  * hash(ReduceOp) -> pyddp op code for the ops above, checked there).
  */

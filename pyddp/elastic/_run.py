@@ -60,7 +60,7 @@ def _is_change(e, m, resetting=False):
 def _reset(m, state, why):
     """Move this process to the next membership and the state to the newest commit."""
     from .. import _world
-    from .._ddp_common import rebind_world
+    from ..ddp._common import rebind_world
     m.timeout_s = m.timeout_s or _torchworld.timeout_s()
     rank, size, prefix, _members = m.next_world(m.timeout_s)
     m.watch(None)

@@ -489,7 +489,7 @@ def launcher(kind, rounds, ws):
     if kind in TORCH_KINDS:
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
-        import pyddp._ddp_torch  # noqa: F401
+        import pyddp.ddp._torch  # noqa: F401
         import pyddp.torch_backend  # noqa: F401
         import torch.nn.parallel  # noqa: F401
         model = torch_model(seed=0)     # torch's lazy set-up (autograd, the optimizers'

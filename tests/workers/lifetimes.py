@@ -73,7 +73,7 @@ def drain_ctrl_c():
     pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
     if RANK == 1:
         idle_peer()
-    from pyddp._ddp_reducer import CPath
+    from pyddp.ddp._reducer import CPath
     from pyddp._group import default_pg
     params = [np.zeros(4096, dtype=np.float32) for _ in range(4)]
     engine = CPath(params, default_pg(), 2, 4096 * 4, 60000)

@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 import pyddp.lightning  # noqa: F401 - registers "ddp_pyddp"
-from pyddp._torch_pg import ProcessGroupPyddp
+from pyddp.torch_backend import ProcessGroupPyddp
 
 SEEN = set()       # (dtype, op) of every all_reduce that reached the pyddp group
 _allreduce = ProcessGroupPyddp.allreduce

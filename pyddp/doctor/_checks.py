@@ -1,4 +1,4 @@
-"""The doctor's conclusions: findings from one node's facts (``_doctor_facts``), from
+"""The doctor's conclusions: findings from one node's facts (``_facts``), from
 the master port, and from comparing every rank's facts.
 
 A finding is ``(level, check, text)``: "ok", "info", "warn" (would only slow a job),
@@ -12,9 +12,9 @@ import time
 from collections import Counter
 from datetime import timedelta
 
-from . import _C
-from ._doctor_facts import human_bytes, is_loopback, resolve, iface_of
-from .store import TCPStore
+from .. import _C
+from ._facts import human_bytes, is_loopback, resolve, iface_of
+from ..store import TCPStore
 
 LISTENER_KEY = "pyddp_doctor/listener"   # set by `doctor --listen`; visitors append below
 VISITS_KEY = "pyddp_doctor/visits"

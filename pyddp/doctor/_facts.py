@@ -24,8 +24,8 @@ import threading
 
 import numpy as np
 
-from . import _C, _env, _nccl_backend, _rendezvous
-from ._version import __version__
+from .. import _C, _env, _nccl_backend, _rendezvous
+from .._version import __version__
 
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 

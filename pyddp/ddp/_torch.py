@@ -23,10 +23,10 @@ import weakref
 
 import torch
 
-from . import _C
-from . import _arrays as A
-from ._ddp_reducer import GradSync
-from ._ddp_common import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
+from .. import _C
+from .. import _arrays as A
+from ._reducer import GradSync
+from ._common import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
                           ddp_group, follow_world, reduce_dtype_name, sync_initial_state,
                           use_generic_path)
 
@@ -137,7 +137,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
 
     def _rebind(self):
         """Move to the new default group after an elastic membership change (see
-        _ddp_common.rebind_world): new reducer and hooks, gradients cleared."""
+        _common.rebind_world): new reducer and hooks, gradients cleared."""
         for h in self._hook_handles:
             h.remove()
         self._sync.hooks.detach()

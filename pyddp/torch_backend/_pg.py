@@ -18,7 +18,7 @@ Two paths:
   through the lean path (a small one inline on this thread), and returns None, which
   torch takes as "the backend has synchronised"; an asynchronous one is submitted and
   gets a :class:`PyddpWork` whose future pyddp's completion thread completes
-  (``_torch_work``);
+  (``_work``);
 * the general path for everything else (several tensors, CUDA tensors, lists, odd
   layouts), through pyddp's own functions (``collectives``) with ``async_op=True``.
 
@@ -39,13 +39,13 @@ core as they are). torch's semantics kept here:
 import torch
 import torch.distributed as dist
 
-from . import _C
-from . import _arrays as A
-from . import collectives as C
-from ._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
-from ._torch_ops import SUM as _SUM, flat as _flat, reduce_op as _reduce_op, \
+from .. import _C
+from .. import _arrays as A
+from .. import collectives as C
+from .._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
+from ._ops import SUM as _SUM, flat as _flat, reduce_op as _reduce_op, \
     scaled as _scaled, thin_ops as _thin_ops, all_reduce_sparse
-from ._torch_work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
+from ._work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
     future_for
 
 _PG = _C.ProcessGroup

@@ -4,7 +4,7 @@ construction), and the construction steps (the group, checking that every rank h
 the same parameters, broadcasting rank 0's state, the bucket size, reduce_dtype, the
 choice of the C or generic data path).
 
-The fronts subclass the base: ``pyddp._ddp_torch.TorchDDP`` for torch modules and
+The fronts subclass the base: ``pyddp.ddp._torch.TorchDDP`` for torch modules and
 ``pyddp.ddp.ArrayDDP`` for everything else. Which one a call of the base class builds
 is decided by ``pyddp.ddp`` (it sets ``DistributedDataParallel._front``), the module
 that knows both: this one imports neither, so the fronts import it without a cycle.
@@ -14,11 +14,11 @@ import weakref
 
 import numpy as np
 
-from . import _C
-from ._nccl_backend import caller_stream
-from . import _arrays as A
-from ._group import WORLD, _resolve, timeout_ms
-from ._objects import all_gather_object
+from .. import _C
+from .._nccl_backend import caller_stream
+from .. import _arrays as A
+from .._group import WORLD, _resolve, timeout_ms
+from .._objects import all_gather_object
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 

@@ -20,7 +20,7 @@ group's name and its global ranks (extended API). The creator:
   the default group's connections (no new rendezvous). When the default group is
   another backend's, a standalone pyddp group for the members, over the store.
 
-The group itself is :class:`pyddp._torch_pg.ProcessGroupPyddp`. Two torch functions
+The group itself is :class:`pyddp.torch_backend._pg.ProcessGroupPyddp`. Two torch functions
 refuse backends they do not know, so this module wraps them for pyddp groups only:
 ``monitored_barrier`` (gloo-only in torch) and ``batch_isend_irecv`` (which torch
 would issue op by op; pyddp runs the batch at once so that a ring exchange cannot
@@ -33,11 +33,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import _pyddp_torch_hook
-from . import _C, _env, _group, _rendezvous, _world
-from . import collectives as C
-from ._errors import raise_as_torch
-from ._torch_pg import ProcessGroupPyddp
-from ._torch_work import PyddpWork, _Completion, future_for as _future_for
+from .. import _C, _env, _group, _rendezvous, _world
+from .. import collectives as C
+from .._errors import raise_as_torch
+from ._pg import ProcessGroupPyddp
+from ._work import PyddpWork, _Completion, future_for as _future_for
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
 

@@ -1,5 +1,5 @@
 """torch's arguments in pyddp's terms, for the "pyddp" backend's process group
-(``_torch_pg``): torch's ReduceOp as pyddp's op (PREMUL_SUM as a scaled SUM; the table
+(``_pg``): torch's ReduceOp as pyddp's op (PREMUL_SUM as a scaled SUM; the table
 of hashes that ProcessGroup.torch_run reduces in C), and the all_reduce of sparse
 tensors, which gloo supports and pyddp's transports (dense buffers) do not carry as
 such: every rank's coalesced indices and values travel in all_gathers and each rank
@@ -8,8 +8,8 @@ adds them up itself.
 import torch
 import torch.distributed as dist
 
-from . import _C
-from . import collectives as C
+from .. import _C
+from .. import collectives as C
 
 _RedOpType = dist.ReduceOp.RedOpType
 SUM = _RedOpType.SUM        # opts.reduceOp == SUM is the cheap test (ReduceOp.__eq__)

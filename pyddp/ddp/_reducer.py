@@ -1,6 +1,6 @@
 """Gradient bucketing engine behind pyddp.DistributedDataParallel.
 
-Two layers, shared by the torch front-end (``_ddp_torch``) and the array front-end
+Two layers, shared by the torch front-end (``_torch``) and the array front-end
 (``ddp``):
 
 ``BucketEngine`` owns one bucket plan (made by the C reducer, ``_C.Reducer``), the
@@ -41,10 +41,10 @@ other ranks used, and rebuilds the buckets once in the order gradients arrived o
 """
 import numpy as np
 
-from . import _C
-from ._nccl_backend import caller_stream
-from . import _arrays as A
-from ._errors import COLLECTIVE_FAILURES, raise_explained
+from .. import _C
+from .._nccl_backend import caller_stream
+from .. import _arrays as A
+from .._errors import COLLECTIVE_FAILURES, raise_explained
 
 FIRST_BUCKET_BYTES = _C.REDUCER_FIRST_BUCKET_BYTES
 _READY, _SECOND, _TOO_MANY = _C.GRAD_READY, _C.GRAD_SECOND, _C.GRAD_TOO_MANY

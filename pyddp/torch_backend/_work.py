@@ -1,7 +1,7 @@
 """torch-side completion for the "pyddp" backend: the torch Work a call returns and the
 future behind it.
 
-A call of :class:`pyddp._torch_pg.ProcessGroupPyddp` starts one or more works (a
+A call of :class:`pyddp.torch_backend._pg.ProcessGroupPyddp` starts one or more works (a
 ``_C.Work`` on the thin path, ``collectives.Work`` handles on the general one). A
 completion (:class:`_One` for one ``_C.Work``, :class:`_Completion` for several) hears
 of the end from pyddp's completion thread (``add_done_callback``) and completes one
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ._env import seconds
-from ._errors import raise_as_torch, torch_error
+from .._env import seconds
+from .._errors import raise_as_torch, torch_error
 
 _LOCK = threading.Lock()        # a future's _chained / _completing, for every future
 

@@ -3,24 +3,24 @@ gradient all-reduce (the reducer's core is C; see docs/ddp.md).
 
 ``DistributedDataParallel(module, ...)`` returns
 
-* for a ``torch.nn.Module``: a torch module (``pyddp._ddp_torch``) that behaves like
+* for a ``torch.nn.Module``: a torch module (``pyddp.ddp._torch``) that behaves like
   ``torch.nn.parallel.DistributedDataParallel``: gradient hooks feed the reducer during
   ``loss.backward()``, which returns with averaged gradients;
 * for any other model (NumPy, CuPy, ...): an :class:`ArrayDDP`, which averages gradients
   when you call :meth:`ArrayDDP.sync_gradients` after your backward.
 
 Both are instances of ``DistributedDataParallel`` (defined with the construction steps
-both share in ``pyddp._ddp_common``). torch is imported only when the model is a torch
-module: this module picks the front and imports ``_ddp_torch`` then.
+both share in ``pyddp.ddp._common``). torch is imported only when the model is a torch
+module: this module picks the front and imports ``_torch`` then.
 """
-from . import _C
-from . import _arrays as A
-from ._ddp_common import (BROADCAST_BUCKET_BYTES, REDUCE_DTYPES,  # noqa: F401 - this API
+from .. import _C
+from .. import _arrays as A
+from ._common import (BROADCAST_BUCKET_BYTES, REDUCE_DTYPES,  # noqa: F401 - this API
                           DistributedDataParallel, broadcast_coalesced, bucket_bytes,
                           ddp_group, follow_world, reduce_dtype_name, sync_initial_state,
                           use_generic_path,
                           verify_across_ranks)
-from ._ddp_reducer import GradSync
+from ._reducer import GradSync
 
 
 def _is_torch_module(obj):
@@ -34,7 +34,7 @@ def _front(module):
     """The front DistributedDataParallel(module) builds: TorchDDP for a torch module,
     else ArrayDDP."""
     if _is_torch_module(module):
-        from ._ddp_torch import TorchDDP
+        from ._torch import TorchDDP
         return TorchDDP
     return ArrayDDP
 
@@ -142,7 +142,7 @@ class ArrayDDP(DistributedDataParallel):
 
     def _rebind(self):
         """Move to the new default group after an elastic membership change (see
-        _ddp_common.rebind_world). Gradients are left as they are: their arrays are
+        _common.rebind_world). Gradients are left as they are: their arrays are
         the model's (the next backward overwrites them)."""
         self._sync.hooks.detach()
         self._group, self._pg, self._timeout_ms = ddp_group(None)

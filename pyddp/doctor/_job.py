@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _C, _env, _group, _objects, _rendezvous, _world, bench, collectives
-from . import _doctor_checks as chk
-from ._doctor_facts import gather, human_bytes
+from .. import _C, _env, _group, _objects, _rendezvous, _world, bench, collectives
+from . import _checks as chk
+from ._facts import gather, human_bytes
 
 COMPARED = ("iface", "pyddp", "torch", "numpy", "python", "nccl")
 COLUMNS = ("rank", "host", "address", "iface", "pyddp", "torch", "numpy", "python", "nccl",

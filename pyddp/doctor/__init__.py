@@ -15,7 +15,7 @@ holds it open meanwhile and prints every node that reaches it.
 
 Under the job's own torchrun line (either form), ``torchrun ... -m pyddp.doctor``, rank
 0 prints one table with a row per rank, marks what differs, and times a short
-all_reduce over all ranks and over each kind of link (see ``_doctor_world``).
+all_reduce over all ranks and over each kind of link (see ``_job``).
 
 Exit status 1 when something would stop a job (each FAIL line says what to do), else
 0; what would only slow a job is a warning. PYDDP_DOCTOR_FAKE_VERSION="pkg=version"
@@ -27,10 +27,10 @@ import sys
 import time
 from datetime import timedelta
 
-from . import _C, bench
-from . import _doctor_checks as chk
-from ._doctor_facts import gather
-from .store import TCPStore
+from .. import _C, bench
+from . import _checks as chk
+from ._facts import gather
+from ..store import TCPStore
 
 
 def parse_master(text):
@@ -140,10 +140,7 @@ def alone(args):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if os.environ.get("RANK") and os.environ.get("WORLD_SIZE") and args.listen is None:
-        from . import _doctor_world
-        return _doctor_world.run(args)
+        from . import _job
+        return _job.run(args)
     return alone(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
