@@ -1,11 +1,13 @@
-/* ddp_store.h - key-value store client and server, wire-compatible with
- * PyTorch's TCPStore (the protocol is summarised in docs/design.md, "The store protocol").
+/* ddp_store.h - the key-value store the core rendezvouses through (a handle
+ * over one of its implementations, below), and the TCPStore client and
+ * server, wire-compatible with PyTorch's TCPStore (the protocol is summarised
+ * in docs/design.md, "The store protocol").
  *
  * Keys are passed exactly as they travel on the wire: the Python layer adds
  * torch's "/" prefix to user keys; the core composes its own keys under
  * "/pyddp/<run id>/<restart>/...". Values are arbitrary bytes.
  *
- * Client: one TCP connection, one request in flight. A ddp_store is safe to
+ * TCP client: one TCP connection, one request in flight. A ddp_store is safe to
  * share between threads (an internal mutex serialises requests) and is
  * reference-counted: a thread that uses a client it did not create (the
  * rendezvous on a helper thread) holds its own reference, so a close() on
@@ -61,6 +63,49 @@ enum ddp_store_query {
 enum { DDP_STORE_AUTH_OFF = 0, DDP_STORE_AUTH_REQUIRE = 1, DDP_STORE_AUTH_AUTO = 2 };
 
 typedef struct ddp_store ddp_store;
+
+/* A store is a handle (reference-counted, thread-safe) over one of two
+ * implementations behind this table: the TCPStore client (ddp_store_client.c,
+ * made by ddp_store_connect) and any other that wraps itself with
+ * ddp_store_wrap (csrc/py/py_store_py.c: a Python object, e.g. the etcd-backed
+ * store). The calls below dispatch to it; each entry has the contract of the
+ * call of the same name (ctx is the implementation's own state). shutdown is
+ * ddp_store_close's part: requests in flight and later ones fail promptly; it
+ * must not block. destroy frees ctx when the last reference goes, on whichever
+ * thread drops it. */
+typedef struct ddp_store_impl {
+    ddp_status (*set)(void *ctx, const char *key, size_t klen, const void *val, size_t vlen,
+                      ddp_wait w);
+    ddp_status (*append)(void *ctx, const char *key, size_t klen, const void *val,
+                         size_t vlen, ddp_wait w);
+    ddp_status (*get)(void *ctx, const char *key, size_t klen, void **val, size_t *vlen,
+                      ddp_wait w);
+    ddp_status (*add)(void *ctx, const char *key, size_t klen, int64_t delta,
+                      int64_t *result, ddp_wait w);
+    ddp_status (*wait)(void *ctx, const char *const *keys, const size_t *klens, size_t n,
+                       ddp_wait w);
+    ddp_status (*multi_get)(void *ctx, const char *const *keys, const size_t *klens,
+                            size_t n, void **vals, size_t *vlens, ddp_wait w);
+    ddp_status (*multi_set)(void *ctx, const char *const *keys, const size_t *klens,
+                            const void *const *vals, const size_t *vlens, size_t n,
+                            ddp_wait w);
+    ddp_status (*check)(void *ctx, const char *const *keys, const size_t *klens, size_t n,
+                        int *ready, ddp_wait w);
+    ddp_status (*compare_set)(void *ctx, const char *key, size_t klen, const void *expected,
+                              size_t elen, const void *desired, size_t dlen, void **out,
+                              size_t *outlen, ddp_wait w);
+    ddp_status (*delete_key)(void *ctx, const char *key, size_t klen, int64_t *ndeleted,
+                             ddp_wait w);
+    ddp_status (*num_keys)(void *ctx, int64_t *n, ddp_wait w);
+    void (*shutdown)(void *ctx);
+    void (*destroy)(void *ctx);
+} ddp_store_impl;
+
+/* A new handle (one reference) over impl and ctx; peer ("host:port", or
+ * any short name of the store for messages) is copied. On failure (out of
+ * memory) impl->destroy(ctx) has been called and *out is NULL. */
+ddp_status ddp_store_wrap(const ddp_store_impl *impl, void *ctx, const char *peer,
+                          ddp_store **out);
 
 /* Connect (retrying until w's deadline), send VALIDATE and PING. On success
  * *out holds one reference (give it back with ddp_store_close or

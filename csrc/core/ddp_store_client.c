@@ -1,27 +1,21 @@
-/* ddp_store_client.c - the TCPStore client: one connection, one request in
- * flight, shared safely between threads by a mutex, reference-counted so a
- * close on one thread cannot free it under a request on another (see
- * ddp_store.h).
+/* ddp_store_client.c - the TCPStore client, one of the store's two
+ * implementations (ddp_store.c holds the handle and its references; the other
+ * is a Python object's, csrc/py/py_store_py.c): one connection, one request in
+ * flight, shared between threads by a mutex (see ddp_store.h).
  *
- * Every request is bounded by the caller's ddp_wait. If a request fails in
- * the middle (timeout waiting for a reply, peer reset, malformed reply) the
- * byte stream can no longer be trusted, so the client becomes "broken" and
- * every later call fails at once with the original reason. The exception is
- * WAIT: its timeout is part of the protocol (CANCEL_WAIT, then drain the
- * reply, which may be a STOP_WAITING that raced the cancel), so an expired
- * wait leaves the connection usable.
- *
- * Statuses: a request that fails because the server sent garbage, the
- * connection broke or the client was closed returns DDP_ERR_STORE (the
- * Python layer raises DistStoreError); a deadline gives DDP_ERR_TIMEOUT and
- * an abort DDP_ERR_ABORTED, as everywhere else in the core. Connecting keeps
- * the socket layer's DDP_ERR_CONNECT for network problems.
+ * Every request is bounded by the caller's ddp_wait. A request that fails in
+ * the middle (timeout waiting for a reply, peer reset, malformed reply) makes
+ * the client "broken": the byte stream can no longer be trusted, so every later
+ * call fails at once with the original reason. Except WAIT: its timeout is
+ * part of the protocol (CANCEL_WAIT, then drain the reply, which may be a
+ * STOP_WAITING that raced the cancel), so an expired wait leaves it usable.
+ * Garbage, a broken connection or a closed client give DDP_ERR_STORE;
+ * connecting keeps the socket layer's DDP_ERR_CONNECT.
  *
  * Closing does not take the request mutex (the request holding it may be a
- * WAIT with no deadline): it sets `closed` and shutdown()s the socket, which
- * makes the request's poll()/recv() return at once; the descriptor itself is
- * closed only with the last reference, so it can never be reused under a
- * thread still polling it.
+ * WAIT with no deadline): it sets `closed` and shutdown()s the socket, so the
+ * request's poll()/recv() returns at once; the descriptor is closed only with
+ * the last reference, never reused under a thread still polling it.
  */
 #include "ddp_store.h"
 
@@ -43,13 +37,10 @@
  * the connection out of step, so it would be unusable afterwards; torch's
  * TCPStore servers sometimes take 5 s to answer. */
 #define DDP_STORE_GRACE_MS 30000
-/* How long a server may take to answer the authentication request. */
-#define AUTH_REPLY_MS 10000
-/* How many keys of a timed-out WAIT are probed to name the missing one. */
-#define DDP_STORE_PROBE_KEYS 64
+#define AUTH_REPLY_MS 10000        /* a server's answer to the authentication request */
+#define DDP_STORE_PROBE_KEYS 64    /* keys of a timed-out WAIT probed to name the missing one */
 
-struct ddp_store {
-    atomic_int refs;
+typedef struct tcp {
     atomic_int closed;      /* ddp_store_close was called: every request fails */
     pthread_mutex_t mu;     /* held for a whole request (one in flight) */
     int fd;                 /* valid until the last reference goes */
@@ -57,19 +48,17 @@ struct ddp_store {
     char broken_msg[1024];
     char peer[DDP_ADDR_MAX + 16];
     ddp_wbuf req;
-};
-
-const char *ddp_store_peer(const ddp_store *s) { return s->peer; }
+} tcp;
 
 /* The error of a request on a closed client. */
-static ddp_status closed_error(ddp_store *s) {
+static ddp_status closed_error(tcp *s) {
     return ddp_error(DDP_ERR_STORE, "the store client for %s was closed (close() was "
                      "called on it, from another thread or a signal handler)", s->peer);
 }
 
 /* Take the mutex within w, in slices, so a thread stuck behind another
  * thread's long WAIT still honours its own deadline, abort flag and a close. */
-static ddp_status lock(ddp_store *s, ddp_wait w) {
+static ddp_status lock(tcp *s, ddp_wait w) {
     for (;;) {
         if (atomic_load(&s->closed)) return closed_error(s);
         struct timespec ts;
@@ -88,7 +77,7 @@ static ddp_status lock(ddp_store *s, ddp_wait w) {
 }
 
 /* Record an I/O failure: the connection is unusable from now on. */
-static ddp_status io_fail(ddp_store *s, ddp_status st) {
+static ddp_status io_fail(tcp *s, ddp_status st) {
     s->broken = 1;
     ddp_copy_error(s->broken_msg, sizeof s->broken_msg);
     return st;
@@ -99,7 +88,7 @@ static ddp_status io_fail(ddp_store *s, ddp_status st) {
  * socket error it caused says only "closed by the peer"). Broken streams
  * (peer closed or reset, garbage, socket errors) become DDP_ERR_STORE;
  * timeouts, aborts and out-of-memory keep their status. */
-static ddp_status done(ddp_store *s, ddp_status st, const char *op) {
+static ddp_status done(tcp *s, ddp_status st, const char *op) {
     pthread_mutex_unlock(&s->mu);
     if (st == DDP_OK) return st;
     if (st == DDP_ERR_CLOSED || st == DDP_ERR_PROTOCOL || st == DDP_ERR_SYS)
@@ -113,7 +102,7 @@ static ddp_status done(ddp_store *s, ddp_status st, const char *op) {
 }
 
 /* Lock and check the connection is usable. */
-static ddp_status begin(ddp_store *s, ddp_wait w, uint8_t q) {
+static ddp_status begin(tcp *s, ddp_wait w, uint8_t q) {
     ddp_status st = lock(s, w);
     if (st != DDP_OK) return st;
     if (atomic_load(&s->closed)) {
@@ -131,19 +120,19 @@ static ddp_status begin(ddp_store *s, ddp_wait w, uint8_t q) {
     return DDP_OK;
 }
 
-static ddp_status send_req(ddp_store *s, ddp_wait w) {
+static ddp_status send_req(tcp *s, ddp_wait w) {
     if (s->req.oom) return ddp_error(DDP_ERR_NOMEM, "out of memory building a request");
     ddp_status st = ddp_sock_send_all(s->fd, s->req.p, s->req.len, w, s->peer);
     return st == DDP_OK ? st : io_fail(s, st);
 }
 
-static ddp_status recv_exact(ddp_store *s, void *buf, size_t n, ddp_wait w) {
+static ddp_status recv_exact(tcp *s, void *buf, size_t n, ddp_wait w) {
     ddp_status st = ddp_sock_recv_all(s->fd, buf, n, w, s->peer);
     return st == DDP_OK ? st : io_fail(s, st);
 }
 
 /* Receive a length-prefixed value into a malloc'd buffer owned by caller. */
-static ddp_status recv_value(ddp_store *s, void **val, size_t *vlen, ddp_wait w) {
+static ddp_status recv_value(tcp *s, void **val, size_t *vlen, ddp_wait w) {
     uint64_t n;
     ddp_status st = recv_exact(s, &n, sizeof n, w);
     if (st != DDP_OK) return st;
@@ -177,7 +166,7 @@ static ddp_status check_sizes(size_t klen, size_t vlen) {
  * fresh connection. DDP_OK; DDP_ERR_CLOSED if the server closed it without
  * answering (torch's server: the caller decides); DDP_ERR_AUTH with the
  * reason otherwise. */
-static ddp_status authenticate(ddp_store *s, const ddp_auth *a, ddp_wait w) {
+static ddp_status authenticate(tcp *s, const ddp_auth *a, ddp_wait w) {
     unsigned char req[DDP_STORE_AUTH_HELLO], rep[1 + DDP_AUTH_NONCE + DDP_AUTH_MAC],
         want[DDP_AUTH_MAC];
     req[0] = DDP_Q_AUTH;
@@ -211,6 +200,8 @@ static ddp_status authenticate(ddp_store *s, const ddp_auth *a, ddp_wait w) {
     return st;
 }
 
+static const ddp_store_impl tcp_impl;
+
 ddp_status ddp_store_connect(const char *host, int port, ddp_wait w, ddp_store **out) {
     return ddp_store_connect_auth(host, port, DDP_STORE_AUTH_AUTO, NULL, w, out);
 }
@@ -224,11 +215,10 @@ ddp_status ddp_store_connect_auth(const char *host, int port, int mode,
         if (st != DDP_OK) return st;
     }
     if (mode == DDP_STORE_AUTH_OFF) key = NULL;
-    ddp_store *s = calloc(1, sizeof *s);
+    tcp *s = calloc(1, sizeof *s);
     if (s == NULL) return ddp_error(DDP_ERR_NOMEM, "store connect: out of memory");
     ddp_sock_format_hostport(host, port, s->peer, sizeof s->peer);
     ddp_wbuf_init(&s->req);
-    atomic_init(&s->refs, 1);
     atomic_init(&s->closed, 0);
     pthread_mutex_init(&s->mu, NULL);
     /* AUTO first connects plainly: torch's servers answer the PING (they neither
@@ -284,8 +274,7 @@ again:
                          "store's port and not another service's?): ", s->peer);
         goto fail;
     }
-    *out = s;
-    return DDP_OK;
+    return ddp_store_wrap(&tcp_impl, s, s->peer, out);
 fail:
     close(s->fd);
 fail_noconn:
@@ -295,30 +284,25 @@ fail_noconn:
     return st;
 }
 
-void ddp_store_retain(ddp_store *s) {
-    atomic_fetch_add_explicit(&s->refs, 1, memory_order_relaxed);
-}
-
-void ddp_store_release(ddp_store *s) {
-    if (s == NULL) return;
-    /* acq_rel: the freeing thread must see every other holder's writes. */
-    if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1) return;
+/* The last reference went (ddp_store_release): free the client. */
+static void tcp_destroy(void *ctx) {
+    tcp *s = ctx;
     close(s->fd);
     pthread_mutex_destroy(&s->mu);
     ddp_wbuf_free(&s->req);
     free(s);
 }
 
-void ddp_store_close(ddp_store *s) {
-    if (s == NULL) return;
-    /* Only the first close shuts down; SHUT_RDWR wakes a poll() on fd in any
-     * thread with POLLHUP, so a blocked recv/send returns within its slice. */
+/* ddp_store_close: only the first close shuts down; SHUT_RDWR wakes a poll()
+ * on fd in any thread with POLLHUP, so a blocked recv/send returns within its
+ * slice. */
+static void tcp_shutdown(void *ctx) {
+    tcp *s = ctx;
     if (atomic_exchange(&s->closed, 1) == 0) shutdown(s->fd, SHUT_RDWR);
-    ddp_store_release(s);
 }
 
 /* SET and APPEND: key, value, no reply. */
-static ddp_status put(ddp_store *s, uint8_t q, const char *key, size_t klen,
+static ddp_status put(tcp *s, uint8_t q, const char *key, size_t klen,
                       const void *val, size_t vlen, ddp_wait w) {
     const char *op = q == DDP_Q_SET ? "set" : "append";
     ddp_status st = check_sizes(klen, vlen);
@@ -329,19 +313,22 @@ static ddp_status put(ddp_store *s, uint8_t q, const char *key, size_t klen,
     return done(s, send_req(s, w), op);
 }
 
-ddp_status ddp_store_set(ddp_store *s, const char *key, size_t klen, const void *val,
+static ddp_status tcp_set(void *ctx, const char *key, size_t klen, const void *val,
                          size_t vlen, ddp_wait w) {
+    tcp *s = ctx;
     return put(s, DDP_Q_SET, key, klen, val, vlen, w);
 }
 
-ddp_status ddp_store_append(ddp_store *s, const char *key, size_t klen,
+static ddp_status tcp_append(void *ctx, const char *key, size_t klen,
                             const void *val, size_t vlen, ddp_wait w) {
+    tcp *s = ctx;
     return put(s, DDP_Q_APPEND, key, klen, val, vlen, w);
 }
 
-ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys, const size_t *klens,
+static ddp_status tcp_multi_set(void *ctx, const char *const *keys, const size_t *klens,
                                const void *const *vals, const size_t *vlens, size_t n,
                                ddp_wait w) {
+    tcp *s = ctx;
     size_t total = 9;   /* the request: query, count, each key and value with its length */
     for (size_t i = 0; i < n; i++) {
         ddp_status st = check_sizes(klens[i], vlens[i]);
@@ -362,14 +349,14 @@ ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys, const size
 }
 
 /* Append "u64 n, n keys" to the request being built. */
-static void put_keys(ddp_store *s, const char *const *keys, const size_t *klens,
+static void put_keys(tcp *s, const char *const *keys, const size_t *klens,
                      size_t n) {
     ddp_wbuf_u64(&s->req, (uint64_t)n);
     for (size_t i = 0; i < n; i++) ddp_wbuf_str(&s->req, keys[i], klens[i]);
 }
 
 /* CHECK with the mutex held. */
-static ddp_status check_locked(ddp_store *s, const char *const *keys,
+static ddp_status check_locked(tcp *s, const char *const *keys,
                                const size_t *klens, size_t n, int *ready, ddp_wait w) {
     s->req.start = s->req.len = 0;
     ddp_wbuf_u8(&s->req, DDP_Q_CHECK);
@@ -383,7 +370,7 @@ static ddp_status check_locked(ddp_store *s, const char *const *keys,
 
 /* After a WAIT expired: send CANCEL_WAIT and drain. *raced = 1 if the
  * server had already answered STOP_WAITING (all keys exist). */
-static ddp_status cancel_wait(ddp_store *s, const atomic_int *abort, int *raced) {
+static ddp_status cancel_wait(tcp *s, const atomic_int *abort, int *raced) {
     ddp_wait g = ddp_wait_for(DDP_STORE_GRACE_MS, abort);
     uint8_t r;
     s->req.start = s->req.len = 0;
@@ -399,7 +386,7 @@ static ddp_status cancel_wait(ddp_store *s, const atomic_int *abort, int *raced)
 
 /* Timeout message naming the first key that is still missing. Returns
  * DDP_OK if every key turned out to exist after all. */
-static ddp_status wait_timeout(ddp_store *s, const char *const *keys,
+static ddp_status wait_timeout(tcp *s, const char *const *keys,
                                const size_t *klens, size_t n, double secs,
                                const atomic_int *abort) {
     ddp_wait g = ddp_wait_for(DDP_STORE_GRACE_MS, abort);
@@ -420,7 +407,7 @@ static ddp_status wait_timeout(ddp_store *s, const char *const *keys,
 }
 
 /* WAIT with the mutex held. */
-static ddp_status wait_locked(ddp_store *s, const char *const *keys,
+static ddp_status wait_locked(tcp *s, const char *const *keys,
                               const size_t *klens, size_t n, ddp_wait w) {
     int64_t t0 = ddp_now_ms();
     for (size_t i = 0; i < n; i++)
@@ -445,15 +432,17 @@ static ddp_status wait_locked(ddp_store *s, const char *const *keys,
     return wait_timeout(s, keys, klens, n, (double)(ddp_now_ms() - t0) / 1000.0, w.abort);
 }
 
-ddp_status ddp_store_wait(ddp_store *s, const char *const *keys, const size_t *klens,
+static ddp_status tcp_wait(void *ctx, const char *const *keys, const size_t *klens,
                           size_t n, ddp_wait w) {
+    tcp *s = ctx;
     ddp_status st = begin(s, w, DDP_Q_WAIT);
     if (st != DDP_OK) return st;
     return done(s, wait_locked(s, keys, klens, n, w), "wait");
 }
 
-ddp_status ddp_store_get(ddp_store *s, const char *key, size_t klen, void **val,
+static ddp_status tcp_get(void *ctx, const char *key, size_t klen, void **val,
                          size_t *vlen, ddp_wait w) {
+    tcp *s = ctx;
     ddp_status st = begin(s, w, DDP_Q_WAIT);
     if (st != DDP_OK) return st;
     st = wait_locked(s, &key, &klen, 1, w);
@@ -471,8 +460,9 @@ ddp_status ddp_store_get(ddp_store *s, const char *key, size_t klen, void **val,
     return done(s, st, "get");
 }
 
-ddp_status ddp_store_multi_get(ddp_store *s, const char *const *keys, const size_t *klens,
+static ddp_status tcp_multi_get(void *ctx, const char *const *keys, const size_t *klens,
                                size_t n, void **vals, size_t *vlens, ddp_wait w) {
+    tcp *s = ctx;
     for (size_t i = 0; i < n; i++) vals[i] = NULL;
     ddp_status st = begin(s, w, DDP_Q_WAIT);
     if (st != DDP_OK) return st;
@@ -494,8 +484,9 @@ ddp_status ddp_store_multi_get(ddp_store *s, const char *const *keys, const size
     return done(s, st, "multi_get");
 }
 
-ddp_status ddp_store_check(ddp_store *s, const char *const *keys, const size_t *klens,
+static ddp_status tcp_check(void *ctx, const char *const *keys, const size_t *klens,
                            size_t n, int *ready, ddp_wait w) {
+    tcp *s = ctx;
     for (size_t i = 0; i < n; i++)
         if (klens[i] > DDP_STORE_MAX_KEY)
             return ddp_error_prefix(check_sizes(klens[i], 0), "store check: ");
@@ -504,8 +495,9 @@ ddp_status ddp_store_check(ddp_store *s, const char *const *keys, const size_t *
     return done(s, check_locked(s, keys, klens, n, ready, w), "check");
 }
 
-ddp_status ddp_store_add(ddp_store *s, const char *key, size_t klen, int64_t delta,
+static ddp_status tcp_add(void *ctx, const char *key, size_t klen, int64_t delta,
                          int64_t *result, ddp_wait w) {
+    tcp *s = ctx;
     ddp_status st = check_sizes(klen, 0);
     if (st != DDP_OK) return ddp_error_prefix(st, "store add: ");
     if ((st = begin(s, w, DDP_Q_ADD)) != DDP_OK) return st;
@@ -516,9 +508,10 @@ ddp_status ddp_store_add(ddp_store *s, const char *key, size_t klen, int64_t del
     return done(s, st, "add");
 }
 
-ddp_status ddp_store_compare_set(ddp_store *s, const char *key, size_t klen,
+static ddp_status tcp_compare_set(void *ctx, const char *key, size_t klen,
                                  const void *expected, size_t elen, const void *desired,
                                  size_t dlen, void **out, size_t *outlen, ddp_wait w) {
+    tcp *s = ctx;
     ddp_status st = check_sizes(klen, elen > dlen ? elen : dlen);
     if (st != DDP_OK) return ddp_error_prefix(st, "store compare_set: ");
     if ((st = begin(s, w, DDP_Q_COMPARE_SET)) != DDP_OK) return st;
@@ -530,8 +523,9 @@ ddp_status ddp_store_compare_set(ddp_store *s, const char *key, size_t klen,
     return done(s, st, "compare_set");
 }
 
-ddp_status ddp_store_delete(ddp_store *s, const char *key, size_t klen,
+static ddp_status tcp_delete(void *ctx, const char *key, size_t klen,
                             int64_t *ndeleted, ddp_wait w) {
+    tcp *s = ctx;
     ddp_status st = check_sizes(klen, 0);
     if (st != DDP_OK) return ddp_error_prefix(st, "store delete_key: ");
     if ((st = begin(s, w, DDP_Q_DELETE_KEY)) != DDP_OK) return st;
@@ -541,10 +535,16 @@ ddp_status ddp_store_delete(ddp_store *s, const char *key, size_t klen,
     return done(s, st, "delete_key");
 }
 
-ddp_status ddp_store_num_keys(ddp_store *s, int64_t *n, ddp_wait w) {
+static ddp_status tcp_num_keys(void *ctx, int64_t *n, ddp_wait w) {
+    tcp *s = ctx;
     ddp_status st = begin(s, w, DDP_Q_GETNUMKEYS);
     if (st != DDP_OK) return st;
     st = send_req(s, w);
     if (st == DDP_OK) st = recv_exact(s, n, sizeof *n, w);
     return done(s, st, "num_keys");
 }
+
+static const ddp_store_impl tcp_impl = {
+    tcp_set, tcp_append, tcp_get, tcp_add, tcp_wait, tcp_multi_get, tcp_multi_set,
+    tcp_check, tcp_compare_set, tcp_delete, tcp_num_keys, tcp_shutdown, tcp_destroy,
+};

@@ -76,8 +76,14 @@ int ddp_py_pg_cpu_ref(PyObject *pg, ddp_pg *out);
  * own (give it back with ddp_store_release, with or without the GIL), or NULL
  * with TypeError (or an error saying it is not connected) set. The reference
  * keeps the memory valid without the GIL even if the StoreClient is closed or
- * freed meanwhile; after a close, requests on it fail promptly with "closed". */
+ * freed meanwhile; after a close, requests on it fail promptly with "closed".
+ * Any other object with the StoreClient's methods (the etcd-backed client) is
+ * wrapped as a core store whose calls are its methods (ddp_py_store_wrap). */
 struct ddp_store *ddp_py_store_client_ref(PyObject *obj);
+
+/* A new core store (one reference) whose calls are obj's methods, taking the
+ * GIL for each (py_store_py.c); NULL with TypeError when obj lacks one. */
+struct ddp_store *ddp_py_store_wrap(PyObject *obj);
 
 /* The CPU reducer's ready() for a gradient given by address: parameter i's
  * `count` contiguous host elements of ddp_dtype `dtype` at ptr, owned by

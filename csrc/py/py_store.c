@@ -458,6 +458,8 @@ static ddp_store *client_of(PyObject *obj) {
 }
 
 ddp_store *ddp_py_store_client_ref(PyObject *obj) {
+    if (ClientType == NULL || !PyObject_TypeCheck(obj, ClientType))
+        return ddp_py_store_wrap(obj);      /* a Python store client (py_store_py.c) */
     ddp_store *s = client_of(obj);
     if (s != NULL) ddp_store_retain(s);
     return s;
