@@ -27,7 +27,7 @@ from .collectives import (P2POp, ReduceOp, Work, all_gather, all_gather_coalesce
                           reduce_scatter_tensor, scatter, send)
 from ._objects import (all_gather_object, broadcast_object_list, gather_object,
                        scatter_object_list)
-from .store import TCPStore
+from .store import EtcdStore, TCPStore
 from ._nccl_backend import cuda_device_for_local_rank
 from .sampler import DistributedSampler
 

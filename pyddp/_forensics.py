@@ -194,7 +194,7 @@ class Watcher:
         self._stop = False
         self._lock = threading.Lock()     # _stop, the connections, arming the group
         self.reports = self._watch = None  # set by the thread once connected
-        self._addr = (st.host or "127.0.0.1", st.port)   # "" names a server this process hosts
+        self._store = st
         self._thread = threading.Thread(target=self._run, name="pyddp-watcher", daemon=True)
         self._thread.start()
 
@@ -204,14 +204,13 @@ class Watcher:
         the watcher was stopped meanwhile, or the store cannot be reached (then a
         warning: the job goes on without forensics). Until this returns, a timeout or
         failure is not announced and an error gets no straggler summary."""
-        from .store import TCPStore
         conns = []
         try:
             # Connect with time to spare: torch's TCPStore servers (torchrun's agent
             # store) now and then take 5 s to answer a new connection. Only the
             # reports' requests are bounded by REPORT_WAIT_S.
             for wait in (REPORT_WAIT_S, 3600.0):
-                conns.append(TCPStore(*self._addr, timeout=timedelta(seconds=CONNECT_S)))
+                conns.append(self._store.clone(timeout=timedelta(seconds=CONNECT_S)))
                 conns[-1].set_timeout(timedelta(seconds=wait))
         except Exception as e:  # noqa: BLE001 - forensics are best effort; training is not
             _close(conns)

@@ -67,8 +67,34 @@ static const ddp_setting_decl table[] = {
      "to disk", "`pyddp.elastic`"},
     {"PYDDP_RDZV_STORE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "set by pyddp's torchrun rendezvous (`--rdzv-backend=pyddp`) for the workers it "
-     "starts: `pyddp` says the job's store is pyddp's own, so the workers authenticate to "
-     "it with `PYDDP_AUTH_TOKEN`. Not to be set by hand", "`pyddp.elastic`"},
+     "starts: `pyddp` says the job's store is pyddp's own in the endpoint's agent, so the "
+     "workers authenticate to it with `PYDDP_AUTH_TOKEN`; `etcd://...` (the endpoint) says "
+     "the job's store is that etcd cluster. Not to be set by hand", "`pyddp.elastic`"},
+    {"PYDDP_ETCD_TIMEOUT", DDP_SETTING_SECONDS, "30", 30, 1, NOMAX, 0,
+     "seconds an etcd request keeps trying the members (one that refuses, does not answer "
+     "within 3 s, or has no leader is left for the next at once) before the job's store is "
+     "reported unavailable, naming etcd and its need for a majority of its members", "etcd store"},
+    {"PYDDP_ETCD_CACERT", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "path of the CA certificate (PEM) that signed the etcd members' certificates; members "
+     "named without a scheme are then `https`", "etcd store"},
+    {"PYDDP_ETCD_CERT", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "path of this client's certificate (PEM), for members that require client "
+     "certificates (`--client-cert-auth`)", "etcd store"},
+    {"PYDDP_ETCD_KEY", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "path of the private key of `PYDDP_ETCD_CERT` (unset: the key is in that file)", "etcd store"},
+    {"PYDDP_ETCD_USER", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "etcd user name, for a cluster with authentication enabled (`etcdctl auth enable`); "
+     "needs `PYDDP_ETCD_PASSWORD` or `PYDDP_ETCD_PASSWORD_FILE`", "etcd store"},
+    {"PYDDP_ETCD_PASSWORD", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "the password of `PYDDP_ETCD_USER`", "etcd store"},
+    {"PYDDP_ETCD_PASSWORD_FILE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
+     "path of a file holding the password of `PYDDP_ETCD_USER` (a trailing newline is "
+     "ignored), used when `PYDDP_ETCD_PASSWORD` is unset", "etcd store"},
+    {"PYDDP_ELASTIC_STORE_LOST_S", DDP_SETTING_SECONDS, "300", 300, 1, NOMAX, 0,
+     "in-place elastic jobs on etcd: seconds training goes on at a fixed world while etcd "
+     "serves no request (no majority of its members, or unreachable) before the job ends "
+     "with an error naming etcd; a membership change needed meanwhile ends it after "
+     "`PYDDP_ETCD_TIMEOUT`", "`pyddp.elastic`"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "`lo-hi`: the data port each rank listens on is taken from this range (for "
      "firewalled VMs whose security group opens only a range; a rank of an in-place "
