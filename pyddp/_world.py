@@ -1,5 +1,8 @@
-"""World groups: init_process_group and destroy_process_group (the default group), and
-create_world (the world groups of torch's "pyddp" backend).
+"""World groups: init_process_group and destroy_process_group (the default group),
+create_world and torch_world (the world groups of torch's "pyddp" backend),
+rebuild_world (the default group made again at a new size), and the hooks through which
+a plug-in takes part in making a world (``WorldHooks``: ``pyddp.elastic`` registers one;
+nothing here knows it).
 
 init_process_group resolves the rendezvous (``_env``), connects to or hosts the store
 (``_rendezvous``), then builds the backend's process group through the C core, which
@@ -8,26 +11,58 @@ publishes this rank's address under pyddp's own key prefix
 agreed through the store (``_round``), so a torchrun restart or an elastic membership
 change (whose agent store still holds the previous round's keys, and whose nodes count
 restarts apart) and a second init in the same process start clean; the prefix keeps
-pyddp out of the way of torch code using the same store. Every world group of more than one rank gets a
-straggler watcher (``_forensics.Watcher``).
+pyddp out of the way of torch code using the same store. Every world group of more than
+one rank gets a straggler watcher (``_forensics.Watcher``).
 """
 import logging
 import os
 import time
 
-from . import _C, _env, _exit, _forensics
-from .elastic import _round
+from . import _C, _env, _exit, _forensics, _round
 from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
     _resolve, dump_flight_record, retire_groups
-from ._rendezvous import _is_hosted, _linger_after_failure, _make_store, _td
+from ._rendezvous import _is_hosted, _linger_after_failure, make_store, _td
 from ._version import __version__
-from .store import TCPStore
+from .store import Store
 
 log = logging.getLogger("pyddp")
 
 
+class WorldHooks:
+    """A plug-in's part in making worlds, registered with :func:`add_hooks` (the
+    in-place elastic mode registers one when ``pyddp.elastic`` is imported). Each
+    method is asked in turn; one that makes the default group itself (through
+    :func:`make_group` and :func:`adopt_default_group`) returns True, and init is done."""
+
+    def before_store(self, be, backend, timeout_s, device_id):
+        """init_process_group without a store passed in, before it makes one."""
+        return False
+
+    def on_store(self, store, rdzv, be, backend, timeout_s, device_id):
+        """init_process_group has made its own store (a client of a store that others
+        host: the world it joins may already be running there)."""
+        return False
+
+    def torch_world(self, store, rank, world_size, timeout_s, be, master_addr):
+        """torch's default group on backend "pyddp" is being made over store: a Group
+        to give torch instead of a new world, or None."""
+        return None
+
+    def on_destroy(self):
+        """destroy_process_group() of the default group, before the group goes."""
+
+
+_hooks = []
+
+
+def add_hooks(hooks):
+    """Register a WorldHooks (once per class)."""
+    if not any(type(h) is type(hooks) for h in _hooks):
+        _hooks.append(hooks)
+
+
 def create_world(store, rank, world_size, timeout_s, name, backend=None, master_addr=None):
-    """A standalone world group over store (a pyddp TCPStore), not the default group:
+    """A standalone world group over store (a pyddp store), not the default group:
     collective over its world_size ranks, keys under
     ``/pyddp/<run id>/torch/<name>/<round>`` (``_round``). For torch's "pyddp" backend.
     master_addr: the store's host, so that this rank advertises the local address that
@@ -36,36 +71,30 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
     run_id, _restart = _env.elastic_attempt()
     base = f"/pyddp/{run_id}/torch/{name}"
     prefix = f"{base}/{_round.agree(store, base, rank, world_size, timeout_s)}"
-    g = _make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    g = make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
     _warn_unauthenticated(g)
     return g
 
 
-def torch_world(store, rank, world_size, timeout_s, name, backend, master_addr,
-                elastic_prefix=None):
-    """torch's default group on backend "pyddp" (collective): create_world's group;
-    with elastic_prefix, an in-place elastic job's world of the new membership, under
-    that epoch's key prefix; and in a process whose store holds a running in-place
-    elastic job (it is not part of yet), a world of this process alone that joins it
-    (see _joins_running_job)."""
-    from .elastic import _live, _membership
+def torch_world(store, rank, world_size, timeout_s, name, backend, master_addr, prefix=None):
+    """torch's default group on backend "pyddp" (collective): create_world's group; with
+    prefix, a world under that key prefix, agreed by the caller (``pyddp.elastic``'s new
+    membership: its rendezvous gets at most 30 s + PYDDP_ELASTIC_SETTLE_S); or the
+    group a plug-in gives (WorldHooks.torch_world)."""
     be = None if backend is None else _pick_backend(backend)
-    if elastic_prefix is not None:
-        return _make_group(store, rank, world_size, elastic_prefix, timeout_s, be, master_addr,
-                           True, rdzv_timeout_s=min(timeout_s, 30 + float(
-                               _C.setting("PYDDP_ELASTIC_SETTLE_S"))))
-    if _State.membership is None:
-        rec = _live.live_job(store)
-        if rec is not None and _live.job_alive(store, rec):
-            mem = _membership.joiner(_membership.own_connection(store), rec)
-            log.warning("pyddp: rank %d: an in-place elastic job runs in this store; joining "
-                        "it (admitted at its next commit)", rank)
-            g = _make_group(store, 0, 1, f"{mem.base}/solo/{mem.me}", timeout_s, be,
-                            master_addr, True)
-            mem.torch, mem.timeout_s = True, timeout_s
-            _State.joined, _State.membership = True, mem
+    if prefix is not None:
+        return make_group(store, rank, world_size, prefix, timeout_s, be, master_addr,
+                          True, rdzv_timeout_s=_change_rdzv_s(timeout_s))
+    for h in _hooks:
+        g = h.torch_world(store, rank, world_size, timeout_s, be, master_addr)
+        if g is not None:
             return g
     return create_world(store, rank, world_size, timeout_s, name, backend, master_addr)
+
+
+def _change_rdzv_s(timeout_s):
+    """The rendezvous deadline of a world made again after a membership change."""
+    return min(timeout_s, 30 + float(_C.setting("PYDDP_ELASTIC_SETTLE_S")))
 
 
 def _agree_round(store, rdzv, base, timeout_s, own_store):
@@ -91,13 +120,14 @@ def _agree_round(store, rdzv, base, timeout_s, own_store):
                         "rendezvous (%s); connecting again", rdzv.rank, rdzv.master_addr,
                         rdzv.master_port, e)
             store.close()
-            store = _make_store(rdzv, left)
+            store = make_store(rdzv, left)
             store.set_timeout(_td(timeout_s))
 
 
-def _make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
+def make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
                 torch_rendezvous=False, rdzv_timeout_s=None):
-    """Rendezvous a world Group (collective); backend "nccl" attaches NCCL at once.
+    """Rendezvous a world Group under prefix (collective); backend "nccl" attaches NCCL
+    at once.
     torch_rendezvous: the group is torch's "pyddp" backend's (see _forensics.Watcher).
     rdzv_timeout_s: the rendezvous's own deadline, if shorter than timeout_s."""
     lo, hi = _env.port_range()
@@ -130,7 +160,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     CPU transport), or None (like "cpu:gloo,cuda:nccl": host arrays on the CPU
     transport, GPU arrays on NCCL, set up on first use). init_method: "env://"
     (default, torchrun's variables), "tcp://host:port" or "file:///path". store: a
-    pyddp.TCPStore to rendezvous through instead (then rank and world_size are
+    pyddp.TCPStore or pyddp.EtcdStore to rendezvous through instead (then rank and world_size are
     required). timeout: a timedelta bounding every wait (default PYDDP_TIMEOUT or 30 min).
     """
     if _State.pg is not None:
@@ -138,8 +168,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                            "destroy_process_group() first")
     be = _pick_backend(backend)
     timeout_s = _env.timeout_seconds(timeout)
-    if _C.setting_text("PYDDP_ELASTIC_JOIN") and store is None:
-        _join_elastic(be, backend, timeout_s, device_id)
+    if store is None and any(h.before_store(be, backend, timeout_s, device_id)
+                             for h in _hooks):
         return
     if store is not None:
         if init_method is not None:
@@ -147,8 +177,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         if rank is None or rank < 0 or world_size is None or world_size < 1:
             raise _C.DistValueError("init_process_group(store=...) needs rank= and world_size=")
         _env._check_rank(rank, world_size)
-        if not isinstance(store, TCPStore):
-            raise _C.DistTypeError(f"store must be a pyddp.TCPStore, not {type(store).__name__}")
+        if not isinstance(store, Store):
+            raise _C.DistTypeError(f"store must be a pyddp.TCPStore or pyddp.EtcdStore, not "
+                                   f"{type(store).__name__}")
         rdzv = _env.Rendezvous(rank, world_size, "store", store.host, store.port, None, True,
                                *_env.elastic_attempt())
     else:
@@ -156,9 +187,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _State.rank = rdzv.rank
     own_store = store is None
     if own_store:
-        store = _make_store(rdzv, timeout_s)
-        if not _is_hosted(store) and _joins_running_job(store, be, backend, timeout_s,
-                                                        device_id, rdzv):
+        store = make_store(rdzv, timeout_s)
+        if not _is_hosted(store) and _a_hook_adopts(store, rdzv, be, backend, timeout_s,
+                                                    device_id):
             return
     else:
         store.set_timeout(_td(timeout_s))
@@ -168,8 +199,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     try:
         store, prefix = _agree_round(store, rdzv, base, timeout_s, own_store)
         _State.device_id = device_id
-        pg = _make_group(store, rdzv.rank, rdzv.world_size, prefix, timeout_s, be,
-                         rdzv.master_addr or None)
+        pg = make_group(store, rdzv.rank, rdzv.world_size, prefix, timeout_s, be,
+                        rdzv.master_addr or None)
     except BaseException as e:
         _State.rank = -1
         if prefix is not None and not isinstance(e, KeyboardInterrupt):
@@ -177,89 +208,45 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         if own_store and not _is_hosted(store):
             store.close()
         raise
-    _State.pg, _State.store = pg, store
-    pg.backend_name = _asked_name(backend)
-    _State.backend = pg.backend_name or be or _auto_backend_name()
-    _State.groups_made = 0
-    _State.made = []
-    _State.world_size, _State.timeout_s, _State.prefix = rdzv.world_size, timeout_s, prefix
-    _State.own_store = own_store
-    _State.master_addr = rdzv.master_addr or None
+    adopt_default_group(pg, store, backend, be, timeout_s, rdzv.master_addr or None,
+                        own_store)
     _warn_unauthenticated(pg)
     log.debug("pyddp: rank %d/%d initialized (%s backend, prefix %s)", rdzv.rank,
               rdzv.world_size, _State.backend, prefix)
 
 
-def _joins_running_job(store, be, backend, timeout_s, device_id, rdzv):
-    """A process of a job's own launch line (a node that came back and ran its line
-    again, or a new one) whose store holds a running in-place elastic job joins that
-    job instead of starting a new one over it: True when it did (init is done). A job
-    recorded there that no longer runs is marked finished and False returned."""
-    from .elastic import _live, _membership
+def _a_hook_adopts(store, rdzv, be, backend, timeout_s, device_id):
+    """Whether a plug-in made the default group on init's own store (WorldHooks.on_store).
+    On its failure the store is closed and the error raised."""
     try:
-        rec = _live.live_job(store)
-        if rec is None or not _live.job_alive(store, rec):
-            return False
-        log.warning("pyddp: rank %d: an in-place elastic job runs at %s:%s; joining it "
-                    "(admitted at its next commit)", rdzv.rank, rdzv.master_addr,
-                    rdzv.master_port)
-        _join_with(store, _membership.joiner(store, rec), be, backend, timeout_s,
-                   device_id, rdzv.master_addr or None)
+        return any(h.on_store(store, rdzv, be, backend, timeout_s, device_id) for h in _hooks)
     except BaseException:
         _State.rank = -1
         store.close()
         raise
-    return True
 
 
-def _join_elastic(be, backend, timeout_s, device_id):
-    """init_process_group in a process started to join a running in-place elastic job
-    (PYDDP_ELASTIC_JOIN=host:port, its store). Until pyddp.elastic.run admits it into
-    the job (at one of the job's commits) the default group is this process alone, so
-    that the script builds its model, DDP and optimizer without holding the job up."""
-    from .elastic import _membership
-    addr = _C.setting_text("PYDDP_ELASTIC_JOIN").strip()
-    where, _, rdzv_id = addr.partition("/")
-    host, _, port = where.rpartition(":")
-    if not host or not port.isdigit():
-        raise _C.DistValueError(f"PYDDP_ELASTIC_JOIN={addr!r}: expected host:port of the "
-                                f"job's store (the static form's --master_addr:--master_port), "
-                                f"or host:port/<rdzv id> of the c10d form's --rdzv-endpoint "
-                                f"and --rdzv-id")
-    host = host.strip("[]")
-    store = TCPStore(host, int(port), is_master=False, timeout=_td(timeout_s))
-    try:
-        if rdzv_id:
-            found = _membership.torch_worker_store(store, rdzv_id)
-            if found is not None:
-                store.close()
-                host, port = found
-                store = TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
-        _join_with(store, _membership.joiner(store), be, backend, timeout_s, device_id, host)
-    except BaseException:
-        store.close()
-        raise
-
-
-def _join_with(store, mem, be, backend, timeout_s, device_id, host):
-    """The default group of a process not admitted yet into the job of membership mem:
-    this process alone, until pyddp.elastic.run admits it."""
-    _State.device_id = device_id
-    prefix = f"{mem.base}/solo/{mem.me}"
-    g = _make_group(store, 0, 1, prefix, timeout_s, be, host)
-    _State.pg, _State.store, _State.own_store = g, store, True
+def adopt_default_group(g, store, backend, be, timeout_s, master_addr, own_store):
+    """Make world group g (from make_group) the default group, over store: what
+    init_process_group does with the group it made, and what a plug-in does with one
+    it made itself. own_store: the store client is the default group's own (closed
+    with it). backend is the name asked for, be the transport picked for it."""
+    _State.pg, _State.store = g, store
     g.backend_name = _asked_name(backend)
     _State.backend = g.backend_name or be or _auto_backend_name()
-    _State.rank, _State.world_size, _State.timeout_s, _State.prefix = 0, 1, timeout_s, prefix
-    _State.groups_made, _State.made, _State.master_addr = 0, [], host
-    _State.joined, _State.membership = True, mem
+    _State.groups_made = 0
+    _State.made = []
+    _State.rank, _State.world_size = g.rank, g.size
+    _State.timeout_s, _State.prefix = timeout_s, g._prefix
+    _State.own_store = own_store
+    _State.master_addr = master_addr
 
 
 def rebuild_world(rank, size, prefix, why):
-    """An in-place elastic change: replace the default group by a world of size ranks
-    under prefix, this process being rank (collective over the new members). Groups made
-    from the old one raise from now on; a rendezvous that does not complete within
-    PYDDP_ELASTIC_SETTLE_S + 30 s (a member lost meanwhile) raises."""
+    """A membership change (``pyddp.elastic``): replace the default group by a world of
+    size ranks under prefix, this process being rank (collective over the new members).
+    Groups made from the old one raise from now on; a rendezvous that does not complete
+    within PYDDP_ELASTIC_SETTLE_S + 30 s (a member lost meanwhile) raises."""
     old = _State.pg             # None after a rebuild that failed
     retire_groups(f"a group made before the elastic membership change ({why}); make it "
                   f"again after the change, in a reset callback")
@@ -270,9 +257,8 @@ def rebuild_world(rank, size, prefix, why):
     if old is not None:
         _State.world_backend = (old.backend, old.backend_name)
     backend, backend_name = _State.world_backend
-    g = _make_group(_State.store, rank, size, prefix, timeout_s, backend,
-                    _State.master_addr, rdzv_timeout_s=min(timeout_s, 30 + float(
-                        _C.setting("PYDDP_ELASTIC_SETTLE_S"))))
+    g = make_group(_State.store, rank, size, prefix, timeout_s, backend,
+                   _State.master_addr, rdzv_timeout_s=_change_rdzv_s(timeout_s))
     g.backend_name = backend_name
     _State.pg, _State.rank, _State.world_size, _State.prefix = g, rank, size, prefix
     _State.groups_made, _State.made = 0, []
@@ -309,10 +295,9 @@ def destroy_process_group(group=None):
     if pg is None:
         return
     _State.pg = None
-    mem, _State.membership, _State.joined = _State.membership, None, False
     try:
-        if mem is not None:
-            mem.close()
+        for h in _hooks:
+            h.on_destroy()
         pg._destroy()
     finally:
         if store is not None and _State.own_store and not _is_hosted(store):

@@ -97,6 +97,8 @@ def _imports(mod):
                 target = node.module[len("pyddp."):] if "." in node.module else ""
             else:
                 continue
+            if target.split(".")[0] in EXTENSIONS:
+                continue                              # from ._C import ...
             for a in node.names:
                 sub = f"{target}.{a.name}" if target else a.name
                 if sub in MODULES:
@@ -141,6 +143,14 @@ def test_the_import_graph_has_no_cycle():
     graph = {m: _imports(m) for m in MODULES}
     cyc = _cycle(graph)
     assert cyc is None, "import cycle: " + " -> ".join(cyc)
+
+
+def test_elastic_is_a_plug_in():
+    """The in-place elastic mode plugs into the world (``_world.WorldHooks``): no module
+    outside pyddp/elastic/ imports it, deferred imports included."""
+    bad = [f"{m} imports {d}" for m in MODULES if m != "elastic" and not m.startswith("elastic.")
+           for d in _imports(m) if d == "elastic" or d.startswith("elastic.")]
+    assert not bad, bad
 
 
 def test_the_cycle_check_finds_a_deferred_cycle():
@@ -191,7 +201,8 @@ def _env_reads(mod):
             if (f.attr in ("get", "pop", "setdefault") and is_environ(f.value) or
                     f.attr == "getenv") and node.args:
                 key = name_of(node.args[0])
-        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and \
+                not isinstance(node.ctx, ast.Store):     # setting one for children is no read
             key = name_of(node.slice)
         elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
             key = name_of(node.left)

@@ -1,4 +1,4 @@
-"""The rendezvous round (pyddp/elastic/_round.py): every rank of one start agrees on one key
+"""The rendezvous round (pyddp/_round.py): every rank of one start agrees on one key
 prefix through the store, whatever an earlier round left there and however late each
 rank starts, at several world sizes; a rank that never starts is named in a timeout.
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 
 from pyddp import _C
-from pyddp.elastic import _round
+from pyddp import _round
 from pyddp.store import TCPStore
 
 

@@ -34,7 +34,7 @@ run, and ``train(state)`` is called again, in the same processes.
 ``commit()``, ``sync()`` and the function under ``run`` are collective: every rank calls
 them at the same points.
 """
-from . import _membership
+from . import _membership, _plug
 from ._run import joined, run
 from ._sampler import ElasticSampler
 from ._state import NumPyState, ObjectState, State, TorchState
@@ -44,3 +44,5 @@ __all__ = ["State", "ObjectState", "TorchState", "NumPyState", "ElasticSampler",
 
 StoreLost = _membership.StoreLost
 LeftOut = _membership.LeftOut
+
+_plug.install()     # a process of a running in-place job joins it at init

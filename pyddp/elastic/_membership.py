@@ -42,25 +42,28 @@ as the loss of the job's store host, which in-place recovery cannot outlive.
 import json
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 from datetime import timedelta
 
-from .. import _C, _env
-from .._version import __version__
+from .. import _C
 from . import _liveness
+from ._joiners import JobFinished, admission, new_id, ready_joiners  # noqa: F401 - API
 from ._live import LIVE_KEY, check_joiner, get_optional, publish, update_live
 
 log = logging.getLogger("pyddp")
 
 _POLL_S = 0.02
-_WATCH_POLL = timedelta(seconds=0.5)
+_WATCH_POLL = timedelta(seconds=0.5)     # a TCP store: rank 0 beats between waits
+_WATCH_LONG = timedelta(seconds=30)      # etcd: the ranks' leases say they live
 
 
 def _settle_s():
     return float(_C.setting("PYDDP_ELASTIC_SETTLE_S"))
+
+
+def _store_lost_s():
+    return float(_C.setting("PYDDP_ELASTIC_STORE_LOST_S"))
 
 
 class StoreLost(_C.DistNetworkError):
@@ -74,10 +77,17 @@ class LeftOut(_C.DistError):
 
 def store_lost(store, e):
     """The error for a store request that failed during in-place recovery."""
-    return StoreLost(f"the job's store at {store.host}:{store.port} stopped answering "
+    if store.recoverable:
+        return StoreLost(f"the job's store, etcd at {store.where}, did not answer ({e}). "
+                         f"The job cannot change its membership without it: etcd needs a "
+                         f"majority of its members up and reachable. Start the job again "
+                         f"once it has one (with PYDDP_ELASTIC_CHECKPOINT_DIR it resumes "
+                         f"from the newest commit on disk)")
+    return StoreLost(f"the job's store at {store.where} stopped answering "
                      f"({e}): its host was lost or the network to it is down. An in-place "
                      f"elastic job cannot outlive the host of its store (the rendezvous "
-                     f"endpoint); start the job again")
+                     f"endpoint; an etcd endpoint removes that node, see docs/elastic.md); "
+                     f"start the job again")
 
 
 class Membership:
@@ -96,6 +106,8 @@ class Membership:
         self._thread = None
         self._stop = threading.Event()
         self.store_error = None                   # the watcher's store error
+        self.store_down_since = None              # etcd not answering since (monotonic)
+        self._presence = None                     # etcd: this process's lease (live)
         self.leaving = False                      # sent SIGTERM: leaves at a commit
         self.joined_now = False                   # the current epoch admitted joiners
         self._live = None                         # (listening socket, "host:port")
@@ -113,41 +125,96 @@ class Membership:
         if self._live is None:
             self._live = _liveness.liveness_listener()
         if self._watch_store is None:
-            from ..store import TCPStore
-            host = "localhost" if self.store._server is not None else self.store.host
-            self._watch_store = TCPStore(host, self.store.port, is_master=False,
-                                         timeout=timedelta(seconds=30))
+            self._watch_store = self.store.clone(timeout=timedelta(seconds=30))
+        self._hold_presence()
         self._thread = threading.Thread(target=self._watch, args=(self.epoch, self._stop),
                                         name="pyddp-elastic", daemon=True)
         self._thread.start()
 
+    def _hold_presence(self):
+        """On etcd: this process's key under ``E/alive/``, kept by a lease for as long as
+        it lives (a job with no such key left is gone). Retried by the watcher while
+        etcd does not answer."""
+        if self._presence is None and self.store.recoverable:
+            try:
+                self._presence = self._watch_store.hold(
+                    f"{self.base}/alive/{self.me}", str(os.getpid()),
+                    max(2.0, min(_liveness.peer_dead_s(), 6.0)))
+            except _C.DistError as e:
+                self._store_trouble(e, None)
+
     def _watch(self, epoch, stop):
+        """The watcher thread of epoch: publish this rank's liveness address, then wait
+        for the epoch's change key (a TCP store: in slices between rank 0's heartbeats;
+        etcd: a watch) and take part in the change. A store that fails makes the job
+        end (StoreLost), except etcd within PYDDP_ELASTIC_STORE_LOST_S: training at a
+        fixed world goes on while etcd has no majority."""
         key = f"{self.base}/{epoch}/change"
         st = self._watch_store
-        try:
-            beat = f"{self.base}/beat"
-            if self._live is not None:
-                st.set(f"{self.base}/{epoch}/addr/{self.rank}", self._live[1])
-            while not stop.is_set():
-                if self.rank == 0:
-                    st.add(beat, 1)
+        slice_ = _WATCH_LONG if st.recoverable else _WATCH_POLL
+        published = self._live is None
+        while not stop.is_set():
+            try:
+                if not published:
+                    st.set(f"{self.base}/{epoch}/addr/{self.rank}", self._live[1])
+                    published = True
+                if self.rank == 0 and not st.recoverable:
+                    st.add(f"{self.base}/beat", 1)
+                self._hold_presence()
                 _liveness.drain(self._live)
                 try:
-                    st.wait([key], timeout=_WATCH_POLL)
-                    break
+                    st.wait([key], timeout=slice_)
                 except _C.DistTimeoutError:
+                    self._store_back()
                     continue
-            if stop.is_set():
+                self._store_back()
+                break
+            except _C.DistError as e:
+                if stop.is_set() or self._store_trouble(e, stop):
+                    continue
+                self._lost(e)
                 return
+        if stop.is_set():
+            return
+        try:
             self.changed = st.get(key).decode(errors="replace")
             self._abort(f"the elastic membership changed ({self.changed})")
             self._answer(st, epoch)
         except _C.DistError as e:
-            if stop.is_set():
-                return
-            self.store_error = store_lost(self.store, e)
-            self.changed = self.changed or str(self.store_error)
-            self._abort(str(self.store_error))
+            if not stop.is_set():
+                self._lost(e)
+
+    def _lost(self, e):
+        """The job's store is lost: every wait of this rank ends with StoreLost."""
+        self.store_error = store_lost(self.store, e)
+        self.changed = self.changed or str(self.store_error)
+        self._abort(str(self.store_error))
+
+    def _store_trouble(self, e, stop):
+        """A request to the job's store failed with e: True to go on (etcd, for up to
+        PYDDP_ELASTIC_STORE_LOST_S since it stopped answering; after a pause of a
+        second), False when the job must end."""
+        if not self.store.recoverable:
+            return False
+        now = time.monotonic()
+        if self.store_down_since is None:
+            self.store_down_since = now
+            log.warning("pyddp: elastic: rank %d: the job's store (etcd at %s) does not "
+                        "answer (%s); training goes on at this size, but the job cannot "
+                        "change its membership until etcd answers, and ends if it does not "
+                        "within PYDDP_ELASTIC_STORE_LOST_S=%g s", self.rank, self.store.where,
+                        e, _store_lost_s())
+        if now - self.store_down_since >= _store_lost_s():
+            return False
+        if stop is not None:
+            stop.wait(1.0)
+        return True
+
+    def _store_back(self):
+        if self.store_down_since is not None:
+            log.warning("pyddp: elastic: rank %d: the job's store (etcd at %s) answers "
+                        "again", self.rank, self.store.where)
+            self.store_down_since = None
 
     def _abort(self, why):
         g = self.group
@@ -269,7 +336,8 @@ class Membership:
                 raise store_lost(self.store, e) from None
 
     def stop(self):
-        """Stop the watcher (the job ends, or the epoch is over and handled)."""
+        """Stop the watcher (the job ends, or the epoch is over and handled); a watcher
+        blocked in a long etcd wait ends when it wakes (or at close)."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
@@ -277,6 +345,12 @@ class Membership:
         self._thread = None
 
     def close(self):
+        self._stop.set()
+        if self._presence is not None:
+            self._presence.release()
+            self._presence = None
+        if self._watch_store is not None:
+            self._watch_store.close()          # wakes a watcher blocked in a wait
         self.stop()
         if self._live is not None:
             self._live[0].close()
@@ -296,12 +370,18 @@ class Membership:
 
     def pending_joiners(self):
         """How many processes wait to join whose node is complete (rank 0 asks at each
-        commit: one store request when nobody waits)."""
+        commit: one store request when nobody waits). While etcd does not answer (and
+        for up to PYDDP_ELASTIC_STORE_LOST_S) none: the commit goes on without asking."""
+        if self.store_down_since is not None and self._store_trouble(
+                "no answer since the watcher's last request", None):
+            return 0
         try:
             if self.store.add(f"{self.base}/join", 0) <= len(self.admitted):
                 return 0
             return len(ready_joiners(self.store, self.base, self.admitted))
         except _C.DistError as e:
+            if self._store_trouble(e, None):
+                return 0
             raise store_lost(self.store, e) from None
 
     def finish(self):
@@ -317,30 +397,6 @@ class Membership:
             log.warning("pyddp: elastic: could not tell waiting joiners that the job "
                         "ended (%s)", e)
 
-    def _admission(self, timeout_s):
-        """A joiner's next_world: ask to join, wait for a commit of the job to admit it."""
-        st = self.store
-        if json.loads(st.get(LIVE_KEY)).get("done"):
-            raise JobFinished()
-        i = st.add(f"{self.base}/join", 1) - 1
-        st.set(f"{self.base}/join/{i}", json.dumps(
-            {"id": self.me, "node": _node_key(), "local_rank": _env.local_rank(),
-             "local_size": _env.local_world_size(), "version": __version__}))
-        log.warning("pyddp: elastic: waiting to be admitted into the job at %s:%s (at its "
-                    "next commit)", st.host, st.port)
-        key = f"{self.base}/join/{i}/epoch"
-        try:
-            st.wait([key], timeout=timedelta(seconds=timeout_s))
-        except _C.DistTimeoutError:
-            raise _C.DistTimeoutError(
-                f"the job at {st.host}:{st.port} did not admit this process within "
-                f"{timeout_s:.0f} s: it admits joiners at state.commit(); check that it is "
-                f"still running and commits") from None
-        got = st.get(key)
-        if got == b"done":
-            raise JobFinished()
-        self.epoch = int(got) - 1
-
     def next_world(self, timeout_s):
         """After the current epoch ended (notice, or the watcher saw it), or on a joiner
         not admitted yet: wait for the next epoch's members; returns (rank, size,
@@ -348,7 +404,7 @@ class Membership:
         StoreLost, or a DistError if this rank was left out."""
         if self.epoch is None:
             try:
-                self._admission(timeout_s)
+                self.epoch = admission(self.store, self.base, self.me, timeout_s) - 1
             except _C.DistTimeoutError:
                 raise
             except _C.DistError as e:
@@ -368,13 +424,16 @@ class Membership:
         self.joined_now = bool(m.get("joined"))
         if self.me in m.get("refused", {}):
             raise LeftOut(f"this process was admitted into the elastic job at "
-                               f"{self.store.host}:{self.store.port} and then left out: "
-                               f"{m['refused'][self.me]}")
+                          f"{self.store.where} and then left out: "
+                          f"{m['refused'][self.me]}")
         if self.me not in m["ids"]:
             raise LeftOut(
-                f"rank {self.rank} was left out of the job's new membership: it answered "
-                f"the change ({m['why']}) after PYDDP_ELASTIC_SETTLE_S={_settle_s():g} s. "
-                f"Start it again with PYDDP_ELASTIC_JOIN to rejoin")
+                f"rank {self.rank} was left out of the job's new membership: it did not "
+                f"answer the change ({m['why']}) while the others waited for it (up to "
+                f"PYDDP_PEER_DEAD_S={_liveness.peer_dead_s():g} s while its liveness port "
+                f"answered, else PYDDP_ELASTIC_SETTLE_S={_settle_s():g} s). This process "
+                f"exits; its node's torchrun agent starts it again (--max-restarts) and it "
+                f"rejoins through its own launch line")
         self.epoch += 1
         self.rank, self.size = m["ids"].index(self.me), len(m["ids"])
         self.admitted = set(m["admitted"])
@@ -382,46 +441,9 @@ class Membership:
 
 
 def own_connection(store):
-    """A connection of the membership's own to store's server: torch's default group
+    """A connection of the membership's own to the job's store: torch's default group
     closes the store client it made when a change destroys it."""
-    from ..store import TCPStore
-    host = "localhost" if store._server is not None else store.host
-    return TCPStore(host, store.port, is_master=False, timeout=store.timeout)
-
-
-class JobFinished(Exception):
-    """A joiner's job ended before admitting it."""
-
-
-def _node_key():
-    """The same for the processes one launcher started on one node: its run id (a
-    fresh one per torchrun --standalone) and the host."""
-    return f"{socket.gethostname()}/{_env.elastic_attempt()[0]}/{os.getppid()}"
-
-
-def ready_joiners(st, base, admitted):
-    """[(index, record)] of the processes waiting to join whose node is complete (all
-    its local ranks are waiting), in join order of the nodes and local rank within
-    one: a node is admitted whole, so its ranks are adjacent."""
-    n = st.add(f"{base}/join", 0)
-    nodes = {}
-    for i in range(n):
-        if i not in admitted:
-            raw = get_optional(st, f"{base}/join/{i}", 0.5)
-            if raw is None:        # died between its ticket and its record, or slow
-                continue
-            r = json.loads(raw)
-            nodes.setdefault(r["node"], []).append((i, r))
-    ready = []
-    for members in nodes.values():
-        if len(members) >= members[0][1]["local_size"]:
-            ready += sorted(members, key=lambda m: m[1]["local_rank"])
-    return ready
-
-
-def new_id():
-    """A process id unique in the job: host, pid and a random part."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return store.clone()
 
 
 def start(store, world_prefix, rank, size):
@@ -431,23 +453,6 @@ def start(store, world_prefix, rank, size):
     if rank == 0:
         publish(store, base)
     return m
-
-
-def torch_worker_store(rdzv_store, rdzv_id, rounds=256):
-    """(host, port) of the store that torchrun's agents share with their workers, read
-    from the c10d rendezvous store at the endpoint (rdzv_store): the rank-0 agent
-    publishes it as ``torch.rendezvous.<rdzv id>.<round>/MASTER_ADDR`` and
-    ``.../MASTER_PORT`` when it makes it; the newest round that has it wins. None when no
-    round has it (the endpoint is then taken to be the job's store itself)."""
-    newest = None
-    for r in range(rounds):
-        if rdzv_store.check([f"torch.rendezvous.{rdzv_id}.{r}/MASTER_ADDR"]):
-            newest = r
-    if newest is None:
-        return None
-    pre = f"torch.rendezvous.{rdzv_id}.{newest}"
-    return (rdzv_store.get(f"{pre}/MASTER_ADDR").decode(),
-            int(rdzv_store.get(f"{pre}/MASTER_PORT")))
 
 
 def joiner(store, rec=None):
@@ -463,7 +468,7 @@ def joiner(store, rec=None):
                 seconds=min(store.timeout.total_seconds(), 30)))
         except _C.DistTimeoutError:
             raise _C.DistError(
-                f"PYDDP_ELASTIC_JOIN={store.host}:{store.port}: that store holds no running "
+                f"PYDDP_ELASTIC_JOIN={store.where}: that store holds no running "
                 f"in-place elastic job (nothing called pyddp.elastic.run there); check the "
                 f"address, or start the job itself with its normal launch line") from None
         rec = json.loads(store.get(LIVE_KEY))

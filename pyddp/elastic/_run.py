@@ -18,7 +18,7 @@ import signal
 import threading
 
 from .. import _C, _errors
-from .._group import _State
+from ._plug import Job
 from .._objects import all_gather_object
 from . import _membership, _persist, _torchworld
 from ._state import JoinersWaiting, Leaving, membership_of_job
@@ -30,7 +30,7 @@ def joined():
     """True in a process started to join a running job (PYDDP_ELASTIC_JOIN, or its
     own launch line run again while the job runs) until ``run`` has admitted it and
     synced its state; until then its default group is this process alone."""
-    return _State.joined
+    return Job.joined
 
 
 def _is_change(e, m, resetting=False):

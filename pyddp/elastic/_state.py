@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from .._group import _State
+from ._plug import Job
 from .._objects import all_gather_object, broadcast_object_list
 from ._torchworld import torch_mode, world_group
 from . import _rng
@@ -31,15 +31,15 @@ class Leaving(Exception):
 def membership_of_job():
     """This job's Membership, made on first use (the job's first ranks) or at a join."""
     from . import _membership
-    if _State.membership is None:
+    if Job.membership is None:
         torch = torch_mode()
         g = world_group()
         store = _membership.own_connection(g._store) if torch else g._store
         m = _membership.start(store, g._prefix, g.rank, g.size)
         m.torch, m.timeout_s = torch, g._timeout_s
         m.watch(g)
-        _State.membership = m
-    return _State.membership
+        Job.membership = m
+    return Job.membership
 
 
 def _stateful(v):
@@ -143,12 +143,12 @@ class State:
         rank among equals; a joiner has none), then save it (collective)."""
         g = world_group()
         if g.size == 1:
-            if _State.joined:
-                _rng.seed_joiner(_State.membership.base, g.rank)
-            _State.joined = False
+            if Job.joined:
+                _rng.seed_joiner(Job.membership.base, g.rank)
+            Job.joined = False
             self.save()
             return
-        mine = -1 if _State.joined else self._commit_no
+        mine = -1 if Job.joined else self._commit_no
         nos = [None] * g.size
         all_gather_object(nos, mine, group=g)
         src = nos.index(max(nos))
@@ -167,9 +167,9 @@ class State:
             for k in objects:
                 getattr(self, k).load_state_dict(dicts[k])
         self._send(src, g)
-        if _State.joined:
-            _rng.seed_joiner(_State.membership.base, g.rank)
-        _State.joined = False
+        if Job.joined:
+            _rng.seed_joiner(Job.membership.base, g.rank)
+        Job.joined = False
         self.save()
 
     def _save(self):

@@ -18,7 +18,7 @@ from datetime import timedelta
 from .. import _C
 from .._group import _State
 
-PREFIX_OPTION = "pyddp_elastic_prefix"
+PREFIX_OPTION = "pyddp_prefix"
 
 
 def _torch_default():

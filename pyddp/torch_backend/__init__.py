@@ -37,6 +37,7 @@ from .. import _C, _env, _group, _rendezvous, _world
 from .. import collectives as C
 from .._errors import raise_as_torch
 from ._pg import ProcessGroupPyddp
+from ._store import TorchStore
 from ._work import PyddpWork, _Completion, future_for as _future_for
 
 __all__ = ["ProcessGroupPyddp", "create_process_group", "register", "NAME"]
@@ -111,10 +112,14 @@ def _release(store):
 
 
 def _pyddp_store(store, rank, timeout_s):
-    """(pyddp.TCPStore, its host): a client of the server underneath torch's store, or,
-    for a store that is not a TCPStore, one that rank 0 hosts (for the life of the
-    process, like torchrun's agent store) and announces through torch's store."""
+    """(pyddp store, a host that routes to it): pyddp's own client when torch's store is
+    one (a TorchStore: the job's store of pyddp's torchrun rendezvous), a client of the
+    server underneath torch's TCPStore, or, for any other store, one that rank 0 hosts
+    (for the life of the process, like torchrun's agent store) and announces through
+    torch's store."""
     base = _base_store(store)
+    if isinstance(base, TorchStore):        # pyddp's client of the job's store
+        return base.pyddp_store, base.pyddp_store.route_host
     if isinstance(base, dist.TCPStore):
         host = base.host or "127.0.0.1"
         return _client(host, base.port, timeout_s), host
@@ -127,10 +132,10 @@ def _pyddp_store(store, rank, timeout_s):
     return _client(host, int(port), timeout_s), host
 
 
-def _elastic_prefix(pg_options):
-    """The key prefix pyddp.elastic passes when it makes torch's default group again
-    for a new membership (``elastic._torchworld``), or None."""
-    return pg_options.get("pyddp_elastic_prefix") if isinstance(pg_options, dict) else None
+def _world_prefix(pg_options):
+    """The key prefix a caller that agreed it passes for a new default group (pyddp.elastic
+    making torch's default group again for a new membership), or None."""
+    return pg_options.get("pyddp_prefix") if isinstance(pg_options, dict) else None
 
 
 def _options_backend(pg_options):
@@ -182,9 +187,9 @@ def create_process_group(opts, pg_options=None):
                 if ranks:      # a standalone group under another backend's default group
                     handle = _world.create_world(store, rank, size, timeout_s, f"{gen}.{name}",
                                                  backend=backend, master_addr=host)
-                else:          # the default group (pyddp.elastic: joining, or a new world)
+                else:          # the default group (a plug-in's, or one under a given prefix)
                     handle = _world.torch_world(store, rank, size, timeout_s, f"{gen}.{name}",
-                                                backend, host, _elastic_prefix(pg_options))
+                                                backend, host, _world_prefix(pg_options))
             except BaseException:
                 _release(store)
                 raise

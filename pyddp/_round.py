@@ -29,7 +29,7 @@ import time
 import uuid
 from datetime import timedelta
 
-from .. import _C
+from . import _C
 
 _LOOK_S = 1.0    # rank 0 looks for restarted ranks this often (one request per rank)
 
