@@ -33,6 +33,7 @@ def register():
             import torch.distributed as dist
         if not dist.is_available():
             return False
+        _wrap_env_rendezvous()
         backend = dist.Backend
         if NAME.upper() in backend._plugins:
             return True
@@ -41,6 +42,28 @@ def register():
         return True
     except Exception:  # noqa: BLE001 - a broken hook must not break `import torch`
         return False
+
+
+def _wrap_env_rendezvous():
+    """Put pyddp's env:// rendezvous in front of torch's (once): in the workers of
+    pyddp's torchrun rendezvous it gives torch the job's store through pyddp's client
+    (authenticated, or on etcd); elsewhere it calls torch's own handler
+    (``pyddp.torch_backend._store.env_rendezvous``). pyddp is imported only when an
+    env:// rendezvous runs; if that fails, torch's handler runs as before."""
+    handlers = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers
+    orig = handlers.get("env")
+    if orig is None or getattr(orig, "_pyddp_orig", None) is not None:
+        return
+
+    def env_rendezvous(url, timeout=None, **kwargs):
+        try:
+            from pyddp.torch_backend._store import env_rendezvous as ours
+        except Exception:  # noqa: BLE001 - pyddp broken or half-installed: torch's own
+            return orig(url, **kwargs) if timeout is None else \
+                orig(url, timeout=timeout, **kwargs)
+        return ours(url, timeout, orig, **kwargs)
+    env_rendezvous._pyddp_orig = orig
+    handlers["env"] = env_rendezvous
 
 
 def _create_rdzv_handler(params):

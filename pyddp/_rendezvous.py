@@ -1,6 +1,7 @@
 """The store a world group rendezvouses through: connecting to one that another process
-hosts (with progress lines while it is unreachable), hosting one, and the ``file://``
-rendezvous (rank 0 hosts a store and writes its address into the file).
+hosts (with progress lines while it is unreachable), hosting one, the ``file://``
+rendezvous (rank 0 hosts a store and writes its address into the file), and the etcd
+cluster of a job launched with ``--rdzv-backend=pyddp --rdzv-endpoint=etcd://...``.
 
 Stores this process hosts live as long as the process, like torchrun's agent store: a
 peer may still be reading from one when this rank destroys its group or fails its init,
@@ -17,7 +18,7 @@ from datetime import timedelta
 
 from . import _C, _env
 from ._group import _State
-from .store import TCPStore
+from .store import EtcdStore, TCPStore
 
 # Stores this process hosts, by (method, port or path) (see the module's docstring).
 _hosted = {}
@@ -109,7 +110,26 @@ def _host_address():
     return _env.advertise_address(None) if _env.socket_ifname() else _primary_address()
 
 
-def _make_store(rdzv, timeout_s):
+def etcd_endpoint():
+    """The etcd members of the job's store (``etcd://...``) when this process is a
+    worker of ``--rdzv-backend=pyddp --rdzv-endpoint=etcd://...``, else None."""
+    where = _C.setting_text("PYDDP_RDZV_STORE") or ""
+    return where if where.startswith(("etcd://", "http://", "https://")) else None
+
+
+def job_namespace(run_id):
+    """The etcd key namespace of the job with torchrun run id run_id."""
+    return f"pyddp/{run_id}"
+
+
+def make_store(rdzv, timeout_s):
+    """The store this process rendezvouses through for rdzv (``_env.Rendezvous``): the
+    job's etcd cluster (a worker of pyddp's rendezvous on etcd), the file:// store,
+    torchrun's agent store (a client), or, without an agent, rank 0's server (hosted
+    here on rank 0, a client elsewhere)."""
+    etcd = etcd_endpoint()
+    if etcd is not None:
+        return EtcdStore(etcd, job_namespace(rdzv.run_id), _td(timeout_s))
     if rdzv.method == "file":
         return _file_store(rdzv.file_path, rdzv.rank, timeout_s)
     if rdzv.use_agent_store:

@@ -163,7 +163,7 @@ def run(args):
     facts = gather(rdzv.master_addr, args.timeout)
     _group._State.rank = rank       # names this rank in _connect_store's progress lines
     try:
-        store = _rendezvous._make_store(rdzv, args.join_timeout)
+        store = _rendezvous.make_store(rdzv, args.join_timeout)
     except _C.DistError as e:
         f = chk.unreachable(rdzv.master_addr, rdzv.master_port, e, args.timeout)
         print(f"pyddp doctor: rank {rank} on {facts['host']} could not use the store at "

@@ -35,6 +35,7 @@ import os
 import socket
 import time
 import uuid
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousHandler,
                                                       RendezvousInfo, RendezvousStoreInfo)
@@ -45,7 +46,9 @@ from . import _live
 log = logging.getLogger("pyddp")
 
 DEFAULT_PORT = 29400
-_POLL_S = 0.1
+_POLL_S = 0.5           # a waiting agent looks at the arrivals this often (it waits on
+#                         the round's closing key in between, woken at once when it closes)
+_ETCD_SCHEMES = ("etcd://", "http://", "https://")
 _BARRIER_LAST = "torchelastic/agent/terminal_state/last_member"
 
 
@@ -138,22 +141,43 @@ class PyddpRendezvousHandler(RendezvousHandler):
 
     def __init__(self, params):
         endpoint = (params.endpoint or "").strip()
-        host, _, port = endpoint.rpartition(":")
-        if not host:
-            host, port = endpoint, ""
-        if not host:
-            raise _C.DistValueError("--rdzv-backend=pyddp needs --rdzv-endpoint=HOST[:PORT]: "
-                                    "the node whose agent hosts the job's store")
-        self.host = host.strip("[]")
-        self.port = int(port) if port else DEFAULT_PORT
         self.run_id = params.run_id
         self.min_nodes, self.max_nodes = params.min_nodes, params.max_nodes
         self.join_timeout = float(params.get("join_timeout", 600))
         self.last_call = float(params.get("last_call_timeout", 30))
-        is_host = params.get_as_bool("is_host", None)
+        self.prefix = f"pyddp/rdzv/{self.run_id}/"
+        self._round = None
+        self._solo = False
+        self._server = None
+        if endpoint.startswith(_ETCD_SCHEMES):
+            self._open_etcd(endpoint)
+        else:
+            self._open_agent_store(endpoint, params.get_as_bool("is_host", None))
+
+    def _open_etcd(self, endpoint):
+        """The job's store is an etcd cluster: no node holds anything the job needs."""
+        from .._rendezvous import job_namespace
+        from ..store import EtcdStore
+        self.store = EtcdStore(endpoint, job_namespace(self.run_id),
+                               timeout=timedelta(seconds=self.join_timeout))
+        first = self.store._client.cluster.members[0]
+        self.host, self.port = first.host, first.port       # torchrun's MASTER_ADDR/PORT
+        # the workers this agent starts keep the job's keys in the same cluster
+        os.environ["PYDDP_RDZV_STORE"] = endpoint
+
+    def _open_agent_store(self, endpoint, is_host):
+        """The job's store is pyddp's server in the endpoint node's agent."""
+        host, _, port = endpoint.rpartition(":")
+        if not host:
+            host, port = endpoint, ""
+        if not host:
+            raise _C.DistValueError("--rdzv-backend=pyddp needs --rdzv-endpoint=HOST[:PORT] "
+                                    "(the node whose agent hosts the job's store) or "
+                                    "etcd://HOST:PORT[,HOST:PORT...] (an etcd cluster)")
+        self.host = host.strip("[]")
+        self.port = int(port) if port else DEFAULT_PORT
         if is_host is None:
             is_host = _is_local(self.host)
-        self._server = None
         if is_host:
             self._server = _C.StoreServer()
             try:
@@ -164,9 +188,6 @@ class PyddpRendezvousHandler(RendezvousHandler):
                     f"but could not serve the job's store on port {self.port} ({e}); is "
                     f"another job using it?") from None
         self.store = self._connect()
-        self.prefix = f"pyddp/rdzv/{self.run_id}/"
-        self._round = None
-        self._solo = False
         # the workers this agent starts use pyddp's store: they authenticate to it
         os.environ["PYDDP_RDZV_STORE"] = "pyddp"
 
@@ -204,12 +225,19 @@ class PyddpRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self):
         """Nodes waiting for the next round: none while an in-place job runs (a node
         that arrives joins it in place), else the arrivals of a newer round."""
-        if self._solo or self._in_place():
+        try:
+            if self._solo or self._in_place():
+                return 0
+            cur = self._current_round()
+            if self._round is None or cur <= self._round:
+                return 0
+            return self.store.add(f"{self.prefix}{cur}/n", 0)
+        except _C.DistError as e:
+            # the store not answering must not make torchrun stop healthy workers: the
+            # workers report a lost store themselves when it matters to them
+            log.warning("pyddp rendezvous: the job's store at %s did not answer (%s)",
+                        self.store.where, e)
             return 0
-        cur = self._current_round()
-        if self._round is None or cur <= self._round:
-            return 0
-        return self.store.add(f"{self.prefix}{cur}/n", 0)
 
     def next_rendezvous(self):
         """This agent's round: (store, group rank, group size, the workers' store).
@@ -227,8 +255,8 @@ class PyddpRendezvousHandler(RendezvousHandler):
         if self._joins_in_place():
             self._solo = True
             prefix = f"{self.prefix}solo/{uuid.uuid4().hex}/"
-            log.warning("pyddp rendezvous: an in-place elastic job runs at %s:%d; this "
-                        "node's workers join it", self.host, self.port)
+            log.warning("pyddp rendezvous: an in-place elastic job runs at %s; this "
+                        "node's workers join it", self.store.where)
             return RendezvousInfo(AgentStore(self.store, prefix), 0, 1, boot)
         self._solo = False
         rank, size, r = self._join_round()
@@ -278,11 +306,14 @@ class PyddpRendezvousHandler(RendezvousHandler):
                     break
                 if time.monotonic() >= deadline:
                     raise _C.DistTimeoutError(
-                        f"pyddp rendezvous at {self.host}:{self.port}: {n} of at least "
+                        f"pyddp rendezvous at {self.store.where}: {n} of at least "
                         f"{self.min_nodes} nodes arrived within join_timeout="
                         f"{self.join_timeout:.0f} s; check that every node was started "
                         f"and can reach the endpoint")
-                time.sleep(_POLL_S)
+                try:
+                    self.store.wait([closed], timeout=timedelta(seconds=_POLL_S))
+                except _C.DistTimeoutError:
+                    pass
             if not self.store.check([closed]):
                 # an in-place job started meanwhile: this round never closes for us
                 raise _RoundMissed()
