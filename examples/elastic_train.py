@@ -13,14 +13,15 @@ On one machine, to try it: ``torchrun --standalone --nproc_per_node=2
 examples/elastic_train.py``.
 
 The data and model are examples/train.py's (synthetic, made by every rank from the same
-seed). What makes it elastic:
+seed). What makes it elastic, as in docs/elastic.md's script:
 
-* ``elastic.TorchState`` holds the model, the optimizer and the counters (epoch, and
-  the batch reached within it), ``state.commit()`` every ``--commit-every`` steps;
-* the sampler is made again after every change (a reset callback), at the new world
-  size, and the epoch goes on from the committed batch number (at another world size
-  the shards differ, so around a change some samples of that epoch may be seen twice
-  or not at all; the epochs after it cover the data once);
+* ``elastic.TorchState`` holds the model, the optimizer, the sampler and the epoch;
+  ``state.commit()`` every ``--commit-every`` steps and at the end of each epoch;
+* ``elastic.ElasticSampler`` hands each rank its share of the samples of the epoch not
+  trained yet, at whatever world size each pass starts with, and ``record_batch``
+  after every step keeps that position; it rolls back with the model, so every sample
+  of every epoch is trained once whatever the changes (padding aside), and the
+  ``DataLoader`` is made once;
 * ``@elastic.run`` re-enters ``train(state)`` after every change, in the same process.
 
 ``--checkpoint-dir`` (or PYDDP_ELASTIC_CHECKPOINT_DIR) keeps every commit on each node's
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pyddp as dist  # noqa: E402
 from pyddp import DistributedDataParallel as DDP  # noqa: E402
-from pyddp import DistributedSampler, elastic  # noqa: E402
+from pyddp import elastic  # noqa: E402
 from train import add_training_args, evaluate, make_data, make_model  # noqa: E402
 
 
@@ -61,41 +62,31 @@ def main(argv=None):
     train_set, test_set = make_data(args.train_samples, args.test_samples, args.seed)
     model = DDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    state = elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
-    loader = {}
-
-    def remake_loader():
-        """The world size changed: a new sampler at the new size (one shard per rank)."""
-        sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-        loader["sampler"] = sampler
-        loader["it"] = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-
-    remake_loader()
-    state.register_reset_callbacks([remake_loader])
+    sampler = elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)  # made once
+    state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
 
     @elastic.run(checkpoint_dir=args.checkpoint_dir)
     def train(state):
         while state.epoch < args.epochs:
-            loader["sampler"].set_epoch(state.epoch)
+            sampler.set_epoch(state.epoch)     # keeps the position on re-entry
             t0, loss_sum, seen = time.perf_counter(), 0.0, 0
-            for i, (x, y) in enumerate(loader["it"]):
-                if i < state.batch:          # trained before the last change
-                    continue
+            for i, (x, y) in enumerate(loader):
                 opt.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
                 loss_sum, seen = loss_sum + loss.item() * len(y), seen + len(y)
-                state.batch = i + 1
+                sampler.record_batch(i, args.batch_size)
                 if args.step_delay:
                     time.sleep(args.step_delay)
-                if state.batch % args.commit_every == 0:
-                    state.commit()
+                if (i + 1) % args.commit_every == 0:
+                    state.commit()             # every rank can roll back to here
             if dist.get_rank() == 0:
                 print(f"epoch {state.epoch + 1}/{args.epochs}  world {dist.get_world_size()}  "
                       f"loss {loss_sum / max(seen, 1):.4f}  "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
-            state.epoch, state.batch = state.epoch + 1, 0
+            state.epoch += 1
             state.commit()
         return True
 

@@ -113,9 +113,10 @@ def test_the_check_can_fail():
     assert not covered("no answer from rank 1 at 10.0.0.7 for 15 s: the host is on fire", corpus)
 
 
-# ---- the docs as a whole: README.md and docs/*.md --------------------------------------
+# ---- the docs as a whole: README.md, CHANGELOG.md and docs/*.md -------------------------
 
-DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md")] + \
+    sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
 def _rel(path):
@@ -202,6 +203,21 @@ _PASS_ON = {"scripts/train.sh": "examples/train.py", "benchmarks/one_host.sh": "
 _PLACEHOLDER = re.compile(r"\$|<|\[-|=G\b|=N\b|=i\b|\bIP\b|=IP|\bMIN:MAX\b")
 
 
+def _module_file(module):
+    """The file `python -m module` runs: module.py, or a package's __main__.py."""
+    path = os.path.join(ROOT, *module.split("."))
+    return path + ".py" if not os.path.isdir(path) else os.path.join(path, "__main__.py")
+
+
+def _module_source(script):
+    """A script's text; for a package's __main__.py, every module of the package (its
+    options are defined beside it)."""
+    if os.path.basename(script) != "__main__.py":
+        return open(script, encoding="utf-8").read()
+    return "".join(open(f, encoding="utf-8").read()
+                   for f in sorted(glob.glob(os.path.join(os.path.dirname(script), "*.py"))))
+
+
 def _commands():
     """(doc, command) for each command line the docs show, in code blocks (with their
     continuation lines) and in code spans, that starts python/torchrun/bash."""
@@ -233,7 +249,7 @@ def test_command_lines_name_real_scripts_and_options():
                     script, rest = os.path.join(ROOT, w), words[i + 1:]
                 break
             if w == "-m" and i + 1 < len(words) and words[i + 1].startswith("pyddp."):
-                script = os.path.join(ROOT, *words[i + 1].split(".")) + ".py"
+                script = _module_file(words[i + 1])
                 rest = words[i + 2:]
                 break
         if script is None:
@@ -242,7 +258,7 @@ def test_command_lines_name_real_scripts_and_options():
         if not os.path.exists(script):
             wrong.append(f"{_rel(p)}: {cmd} ({_rel(script)} does not exist)")
             continue
-        src = open(script, encoding="utf-8").read()
+        src = _module_source(script)
         target = _PASS_ON.get(_rel(script))
         if target:
             src += open(os.path.join(ROOT, target), encoding="utf-8").read()

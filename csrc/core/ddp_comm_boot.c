@@ -112,7 +112,8 @@ static ddp_status check_versions(ddp_comm *c) {
                                  "(wire %s)", r ? "; " : "", r, h, vr, wr);
     }
     return ddp_error(DDP_ERR_VERSION, "ranks run different pyddp versions: %s. Install the "
-                     "same pyddp version on every node (pip install pyddp==<version>).", list);
+                     "same pyddp on every node: the same wheel (pip install "
+                     "dist/pyddp-*.whl), or a build of the same source.", list);
 }
 
 /* Settings every rank must share, from the lines (a line without the field

@@ -53,10 +53,14 @@ static const ddp_setting_decl table[] = {
      "answer is gone at once. The new world is closed at once when every old rank "
      "answered or is gone", "`pyddp.elastic`"},
     {"PYDDP_ELASTIC_JOIN", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
-     "`host:port` of a running in-place elastic job's store (the `--rdzv-endpoint` or "
-     "`--master_addr:--master_port` of its launch line): `init_process_group` then joins "
-     "that job, admitted at its next `state.commit()`, instead of rendezvousing with its "
-     "own launcher's ranks (see [elastic.md](elastic.md#in-place))", "`pyddp.elastic`"},
+     "where a running in-place elastic job is: `host:port` of its store (the static "
+     "form's `--master_addr:--master_port`), or `host:port/<rdzv id>` (a c10d launch's "
+     "`--rdzv-endpoint` and `--rdzv-id`, through which the workers' store is found). "
+     "Only pyddp's own `init_process_group` reads it (not torch's, under the backend "
+     "`\"pyddp\"`): it then joins that job, admitted at its next `state.commit()`, "
+     "instead of rendezvousing with its own launcher's ranks. Not needed with "
+     "`--rdzv-backend=pyddp` or the static form, whose own launch line joins by itself (see "
+     "[elastic.md](elastic.md#in-place))", "`pyddp.elastic`"},
     {"PYDDP_ELASTIC_CHECKPOINT_DIR", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "in-place elastic jobs: a directory on each node (or a shared one) where local rank 0 "
      "keeps the newest commit of `pyddp.elastic.run` (written to a temporary file, then "
