@@ -178,7 +178,7 @@ def test_inplace_joiner_without_a_job():
     try:
         env = dict(os.environ, PYTHONPATH=ROOT, PYDDP_ELASTIC_JOIN=f"127.0.0.1:{port}",
                    PYDDP_TIMEOUT="3")
-        r = subprocess.run([PY, "-c", "import pyddp; pyddp.init_process_group('cpu')"],
+        r = subprocess.run([PY, "-c", "import pyddp, pyddp.elastic; pyddp.init_process_group('cpu')"],
                            env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0
         assert "holds no running in-place elastic job" in r.stderr, r.stderr[-2000:]

@@ -80,29 +80,38 @@ def live_job(store):
 
 
 def job_alive(store, rec):
-    """Whether the job of live record rec still runs: its rank 0 raises E/beat twice a
-    second (a change in progress pauses it for up to PYDDP_ELASTIC_SETTLE_S and a
-    rebuild). A job that is gone (all its ranks died, the store lived on) is marked
-    done, so that the processes started now make a new job."""
-    beat = f"{rec['base']}/beat"
-    first = store.add(beat, 0)
+    """Whether the job of live record rec still runs. On etcd its ranks hold leases
+    (``E/alive/<id>``, each expiring within a few seconds of its process); on a TCP store
+    its rank 0 raises E/beat twice a second (a change in progress pauses it for up to
+    PYDDP_ELASTIC_SETTLE_S and a rebuild). A job that is gone (all its ranks died, the
+    store lived on) is marked done, so that the processes started now make a new job."""
     deadline = time.monotonic() + max(5.0, 2 * float(_C.setting("PYDDP_ELASTIC_SETTLE_S")) + 3)
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        if store.add(beat, 0) != first:
-            return True
+    if store.recoverable:
+        while True:      # a job's first ranks take their leases just after publishing
+            if store.keys_under(f"{rec['base']}/alive/"):
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+    else:
+        beat = f"{rec['base']}/beat"
+        first = store.add(beat, 0)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if store.add(beat, 0) != first:
+                return True
     raw = store.get(LIVE_KEY)
     store.compare_set(LIVE_KEY, raw, json.dumps(dict(json.loads(raw), done=True,
                                                      gone=True)))
-    log.warning("pyddp: elastic: the in-place job recorded at %s:%s no longer runs (no "
-                "heartbeat); starting a new one", store.host, store.port)
+    log.warning("pyddp: elastic: the in-place job recorded at %s no longer runs (no "
+                "heartbeat); starting a new one", store.where)
     return False
 
 
 def check_joiner(store, rec):
     """Refuse, before it asks, a process that cannot be part of the job of live record
     rec: another pyddp version, or another PYDDP_AUTH_TOKEN."""
-    where = f"{store.host}:{store.port}"
+    where = store.where
     if rec.get("version") != __version__:
         raise _C.VersionMismatchError(
             f"the in-place elastic job at {where} runs pyddp {rec.get('version')}, this "

@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from .. import _C
 from ._plug import Job
 from .._objects import all_gather_object, broadcast_object_list
 from ._torchworld import torch_mode, world_group
@@ -35,11 +36,28 @@ def membership_of_job():
         torch = torch_mode()
         g = world_group()
         store = _membership.own_connection(g._store) if torch else g._store
+        if g.rank == 0:
+            _refuse_a_second_job(store, f"{g._prefix}/elastic")
         m = _membership.start(store, g._prefix, g.rank, g.size)
         m.torch, m.timeout_s = torch, g._timeout_s
         m.watch(g)
         Job.membership = m
     return Job.membership
+
+
+def _refuse_a_second_job(store, base):
+    """Rank 0 of a job about to start in place: a job running in place in the same store
+    (alive) means this process should have joined it, which happens at init only when
+    pyddp.elastic was imported before init_process_group; say so instead of starting a
+    second job over the first."""
+    from . import _live
+    rec = _live.live_job(store)
+    if rec is not None and rec.get("base") != base and _live.job_alive(store, rec):
+        raise _C.DistError(
+            f"an in-place elastic job already runs in this job's store ({store.where}), "
+            f"and this process started a new world instead of joining it: import "
+            f"pyddp.elastic (from pyddp import elastic) before init_process_group, so "
+            f"that init joins the running job")
 
 
 def _stateful(v):
