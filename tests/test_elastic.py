@@ -43,12 +43,13 @@ class Job:
     host, goes to one queue; the JSON epoch records are kept in order."""
 
     def __init__(self, bridged, mode, tmp, nnodes, env=None, step_s=0.05, static=False,
-                 rdzv=None, nproc=2, script=None):
+                 rdzv=None, nproc=2, script=None, endpoint=None):
         self.b, self.mode, self.tmp, self.nnodes = bridged, mode, tmp, nnodes
         self.static = static     # the first launch form (--node_rank, --master_addr)
         self.rdzv = rdzv         # "pyddp": docs/elastic.md's line (--rdzv-backend=pyddp)
         self.nproc = nproc
         self.script = script     # another worker (its arguments: STEP_S STOP_FILE)
+        self.endpoint = endpoint  # --rdzv-endpoint instead of host 0's (etcd://...)
         self.env, self.step_s = env or {}, step_s
         self.port = free_port()
         self.stop_file = str(tmp / "stop")
@@ -68,7 +69,7 @@ class Job:
         for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                   "TORCHELASTIC_USE_AGENT_STORE", "PYDDP_ELASTIC_JOIN"):
             env.pop(k, None)
-        endpoint = f"{self.b.hosts[0].addr}:{self.port}"
+        endpoint = self.endpoint or f"{self.b.hosts[0].addr}:{self.port}"
         if join:
             env["PYDDP_ELASTIC_JOIN"] = endpoint if self.static else f"{endpoint}/job"
             launch = ["--standalone", "--nproc_per_node=2"]
@@ -251,18 +252,21 @@ def _same_processes(rec, pids, job=None):
     assert rec["pids"] == pids, (rec, pids, "\n".join(job.lines[-120:]) if job else "")
 
 
-def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None):
+def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=None,
+                           during=None):
     """In place, agent's store: host 1 killed; its survivors go on in the same
     processes; host 1 started again is admitted: with its own line in the static form
     (its workers find the job running in the store), with the joining line in the c10d
     form (whose stock agents would restart for a node in their rendezvous), with its own
     line on pyddp's rendezvous (rdzv="pyddp")."""
-    job = Job(b, mode, tmp, "2" if static else "1:2", static=static, rdzv=rdzv)
+    job = Job(b, mode, tmp, "2" if static else "1:2", static=static, rdzv=rdzv, env=env)
     try:
         job.start(0)
         job.start(1)
         pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 120,
                             "epoch at world 4")["pids"]
+        if during is not None:
+            during(job)
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after host 1 was killed"), pids[:2], job)
@@ -416,8 +420,34 @@ def test_inplace_paused_rank_kept_state_and_samples(tmp_path):
     _run(_paused_and_stateful, 3, tmp_path)
 
 
+UNAUTHENTICATED = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+try:
+    s = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False,
+                      timeout=timedelta(seconds=5))
+    s.set("intruder", "1")
+    print("SERVED")
+except Exception as e:
+    print("REFUSED", type(e).__name__)
+"""
+
+
+def _an_unauthenticated_client_is_refused(job):
+    """torch's own TCPStore client (no token) from host 1 to the job's store."""
+    r = subprocess.run(exec_prefix(job.b.hosts[1].ns) + [
+        PY, "-c", UNAUTHENTICATED, job.b.hosts[0].addr, str(job.port)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.stdout.startswith("REFUSED"), r.stdout + r.stderr[-2000:]
+
+
 def test_inplace_torch_ddp_one_line(tmp_path):
     """The first seed's script with torch's own DDP and sampler (tests/workers/
-    elastic_job.py torchddp) on docs/elastic.md's line: host 1 killed, the others go
-    on in the same processes; host 1 runs its line again and is admitted in place."""
-    _run(_inplace_lost_and_back, 2, tmp_path, False, "torchddp", "pyddp")
+    elastic_job.py torchddp) on docs/elastic.md's line, PYDDP_AUTH_TOKEN set on every
+    node (torch's default group is made over pyddp's authenticated client of the job's
+    store, and torch's own client without the token is refused): host 1 killed, the
+    others go on in the same processes; host 1 runs its line again and is admitted in
+    place."""
+    _run(_inplace_lost_and_back, 2, tmp_path, False, "torchddp", "pyddp",
+         {"PYDDP_AUTH_TOKEN": "torch-ddp-in-place"}, _an_unauthenticated_client_is_refused)

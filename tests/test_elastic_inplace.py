@@ -37,13 +37,19 @@ class LocalJob:
         self.procs = {}              # name -> Popen
         self.records, self.lines = [], []
 
-    def start(self, name, rank=0, world=1, join=False):
+    def start(self, name, rank=0, world=1, join=False, env=None):
+        """Start process name as rank of world (env://), or with join a process that
+        joins the running job (PYDDP_ELASTIC_JOIN: the job's store, or join itself when
+        it is a str); env: more variables for this process."""
+        extra = env
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         env.update(self.env)
+        env.update(extra or {})
         if join:
-            env["PYDDP_ELASTIC_JOIN"] = f"127.0.0.1:{self.port}"
+            env["PYDDP_ELASTIC_JOIN"] = join if isinstance(join, str) else \
+                f"127.0.0.1:{self.port}"
         args = [self.mode] if self.script == JOB else []
         p = subprocess.Popen([PY, self.script, *args, str(self.step_s), self.stop_file], env=env,
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

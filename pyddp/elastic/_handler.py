@@ -1,22 +1,26 @@
 """torchrun's ``--rdzv-backend=pyddp``: one launch line for every node of an elastic job,
-at its first start and at every return, with the job's store on the endpoint's node.
+at its first start and at every return.
 
 torch 2.13's torchrun loads rendezvous handlers from the ``torchrun.handlers`` entry
 points of installed packages; pyddp's (``_pyddp_torch_hook.torchrun_handler``) makes
 this one. Against torch's c10d handler it changes three things:
 
-* **Where the store lives.** The agent on the ``--rdzv-endpoint`` host (found by
-  binding its address, or ``--rdzv-conf is_host=1``) serves pyddp's own store there,
-  for the agent's whole life: authenticated with PYDDP_AUTH_TOKEN, bounded, and
-  outliving that node's workers (a crashed worker there is restarted by its agent,
-  with ``--max-restarts``, and joins again). The agents rendezvous through it and the
-  workers use it as their store (``MASTER_ADDR:MASTER_PORT`` is the endpoint), whatever
-  order the nodes' addresses sort in.
+* **Where the store lives.** With ``--rdzv-endpoint=etcd://E1:2379,E2:2379,E3:2379``
+  the job's store is that etcd cluster (``pyddp.EtcdStore``, keys under
+  ``pyddp/<rdzv id>/``): the agents rendezvous through it and the workers keep every
+  key there (``PYDDP_RDZV_STORE`` tells them, and gives torch's own ``env://`` a client
+  of it), so no training node holds anything the job needs. With
+  ``--rdzv-endpoint=HOST[:PORT]`` the agent on that host (found by binding its address,
+  or ``--rdzv-conf is_host=1``) serves pyddp's own store there, for the agent's whole
+  life: authenticated with PYDDP_AUTH_TOKEN, bounded, outliving that node's workers
+  (a crashed worker there is restarted by its agent, with ``--max-restarts``, and joins
+  again), but not the node itself.
 * **A node that arrives while an in-place job runs** (``pyddp.elastic``'s live record
-  in the store, with a heartbeat) is no new round: its agent gets a round of its own
-  (group rank 0 of 1), its workers find the job running and join it in place
-  (``pyddp._world``), and the running agents are never told a node waits, so they never
-  restart their workers (``num_nodes_waiting`` is 0 while the job runs in place).
+  in the store, alive) is no new round: its agent gets a round of its own (group rank
+  0 of 1), its workers find the job running and join it in place (``_plug``), and the
+  running agents are never told a node waits, so they never restart their workers
+  (``num_nodes_waiting`` is 0 while the job runs in place, and when the store does not
+  answer).
 * **The exit barrier** of the agents does not wait for agents that the in-place job
   lost: once the job has finished, the barrier's wait returns.
 
@@ -24,10 +28,10 @@ Without an in-place job (any other script) it is an ordinary restart-based rende
 rounds of MIN..MAX nodes, closed when MAX arrived or ``last_call_timeout`` after MIN did,
 and a node arriving later makes the running agents restart into the next round.
 
-Keys (pyddp's store, under ``pyddp/rdzv/<run id>/``): ``round`` (the open round's
-number), ``<r>/n`` (arrivals, a counter), ``<r>/closed`` (the round's size),
-``<r>/agents/...`` (torchrun's own keys for round r), ``solo/<uuid>/...`` (an agent
-whose node joins in place), ``closed`` (the job's rendezvous is over).
+Keys (under ``pyddp/rdzv/<run id>/``): ``round`` (the open round's number), ``<r>/n``
+(arrivals, a counter), ``<r>/closed`` (the round's size), ``<r>/agents/...`` (torchrun's
+own keys for round r), ``solo/<uuid>/...`` (an agent whose node joins in place),
+``closed`` (the job's rendezvous is over).
 """
 import json
 import logging

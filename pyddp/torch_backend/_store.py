@@ -24,6 +24,9 @@ from .. import _C, _env
 from .._rendezvous import make_store
 
 
+_KEPT = []      # every TorchStore handed to torch (one per env:// init of the process)
+
+
 class TorchStore(dist.Store):
     """torch.distributed.Store's calls on a pyddp store (TCPStore or EtcdStore)."""
 
@@ -80,7 +83,11 @@ def env_rendezvous(url, timeout, orig, **kwargs):
     query = parse_qs(urlparse(url).query)       # torch passes rank= and world_size= here
     rdzv = _env.resolve("env://", int(query.get("rank", [-1])[0]),
                         int(query.get("world_size", [-1])[0]))
-    store = make_store(rdzv, _env.seconds(timeout) if timeout is not None else
-                       _env.timeout_seconds(None))
-    yield TorchStore(store), rdzv.rank, rdzv.world_size
+    store = TorchStore(make_store(rdzv, _env.seconds(timeout) if timeout is not None else
+                                  _env.timeout_seconds(None)))
+    # torch keeps only the C++ half of a Python Store: without a reference on the
+    # Python side the object would be collected, and torch's calls on it would find
+    # no method ("Not implemented")
+    _KEPT.append(store)
+    yield store, rdzv.rank, rdzv.world_size
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
