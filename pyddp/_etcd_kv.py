@@ -28,7 +28,7 @@ import time
 from . import _C
 from . import _etcd as E
 
-RECHECK_S = 2.0        # a wait reads its keys again this often while nothing arrives
+RECHECK_S = 5.0        # a wait reads its keys again this often while nothing arrives
 _TXN_OPS = 64          # operations per transaction (etcd's default limit is 128)
 
 

@@ -12,6 +12,9 @@ gradient all-reduce (the reducer's core is C; see docs/ddp.md).
 Both are instances of ``DistributedDataParallel`` (defined with the construction steps
 both share in ``pyddp.ddp._common``). torch is imported only when the model is a torch
 module: this module picks the front and imports ``_torch`` then.
+
+The package (DDP) may import the core (the top-level modules of pyddp) and torch, never
+the torch integration, elastic or the tools; the core hands it nothing but its group.
 """
 from .. import _C
 from .. import _arrays as A

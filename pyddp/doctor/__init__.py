@@ -20,6 +20,9 @@ all_reduce over all ranks and over each kind of link (see ``_job``).
 Exit status 1 when something would stop a job (each FAIL line says what to do), else
 0; what would only slow a job is a warning. PYDDP_DOCTOR_FAKE_VERSION="pkg=version"
 overrides a reported version, for tests.
+
+The package (the doctor) may import anything below it: the core and ``bench``; nothing
+imports it.
 """
 import argparse
 import os

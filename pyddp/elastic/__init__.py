@@ -33,6 +33,11 @@ run, and ``train(state)`` is called again, in the same processes.
 
 ``commit()``, ``sync()`` and the function under ``run`` are collective: every rank calls
 them at the same points.
+
+The package (elastic) may import the core, DDP's ``_common`` (to move DDPs to a new
+world) and the torch integration (torch's default group made again); nothing outside
+it imports it: it plugs into the world through ``_world.WorldHooks`` (``_plug``) when
+imported, so a script imports it before ``init_process_group``.
 """
 from . import _membership, _plug
 from ._run import joined, run

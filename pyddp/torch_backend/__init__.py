@@ -25,6 +25,10 @@ refuse backends they do not know, so this module wraps them for pyddp groups onl
 ``monitored_barrier`` (gloo-only in torch) and ``batch_isend_irecv`` (which torch
 would issue op by op; pyddp runs the batch at once so that a ring exchange cannot
 deadlock). Every other group reaches torch's original functions unchanged.
+
+The package (the torch integration) may import the core and torch; the core never
+imports it, and DDP reaches torch through torch alone. ``_pyddp_torch_hook`` (top level,
+outside the package) is what torch and torchrun load; it imports this package lazily.
 """
 import functools
 import threading
