@@ -16,11 +16,13 @@ Shaped after Horovod Elastic::
     train(state)
 
 The package: ``_state`` (the State kinds), ``_sampler`` (ElasticSampler: the data
-position in the state), ``_rng`` (per-rank random streams), ``_run`` (run, the graceful leave),
-``_membership`` (who is in the job, agreed through its store), ``_persist`` (commits on
-each node's disk), ``_handler`` (torchrun's ``--rdzv-backend=pyddp``: the job's store
-with the endpoint, returning nodes admitted in place), ``_round`` (the rendezvous round
-of every start), ``_agents`` (torchrun's exit barrier).
+position in the state), ``_rng`` (per-rank random streams), ``_run`` (run, the graceful
+leave), ``_membership`` (who is in the job, agreed through its store), ``_joiners``
+(admission), ``_live`` (the live record), ``_liveness`` (paused or dead), ``_persist``
+(commits on each node's disk), ``_plug`` (its hooks in the world: a returning process
+joins at init), ``_handler`` (torchrun's ``--rdzv-backend=pyddp``: the job's store on
+etcd or with the endpoint, returning nodes admitted in place), ``_agents`` (torchrun's
+exit barrier), ``_torchworld`` (torch's default group as the job's world).
 
 On a change (a collective failed because a peer died or vanished, a node asks to
 join at a commit, ranks leave on SIGTERM) every rank's watcher thread aborts the collective in flight, the live
