@@ -343,3 +343,28 @@ def test_process_group_over_etcd(cluster, tmp_path, ws):
         assert r.returncode == 0, r.stdout + r.stderr
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][0]
         assert line == f"RESULT {want_x} {[float(ws - 1)] * 3}", line
+
+
+def test_the_doctor_checks_the_etcd_members(tmp_path):
+    """python -m pyddp.doctor --etcd: every member answering with one leader is fine;
+    with two of three gone it fails, saying etcd needs a majority."""
+    c = EtcdCluster(tmp_path, 3)
+    try:
+        c.start()
+        c.wait_ready()
+
+        def doctor():
+            return subprocess.run([PY, "-m", "pyddp.doctor", "--etcd", c.endpoint(),
+                                   "--timeout", "2"], capture_output=True, text=True,
+                                  timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        r = doctor()
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "3 of 3 members answer from this node, with one leader" in r.stdout, r.stdout
+        c.kill(0)
+        c.kill(2)
+        r = doctor()
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "only 1 of 3 members answer" in r.stdout and "majority (2 of 3)" in r.stdout, \
+            r.stdout
+    finally:
+        c.close()

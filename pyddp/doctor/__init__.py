@@ -32,6 +32,7 @@ from datetime import timedelta
 
 from .. import _C, bench
 from . import _checks as chk
+from ._etcd_check import findings as etcd_findings
 from ._facts import gather
 from ..store import TCPStore
 
@@ -66,6 +67,10 @@ def parse_args(argv):
                         "size and link")
     p.add_argument("--nproc-per-node", type=int, default=8,
                    help="alone: ranks that will share this host, to size /dev/shm (8)")
+    p.add_argument("--etcd", metavar="etcd://HOST:PORT,...",
+                   help="the etcd members of an in-place elastic job's --rdzv-endpoint: "
+                        "checks which answer and that a majority does (default: the "
+                        "endpoint of pyddp's rendezvous, under torchrun)")
     p.add_argument("--listen", type=float, metavar="SECONDS",
                    help="alone, on the master: hold the master's port open this long so "
                         "the other nodes' doctors can reach it; prints each visitor")
@@ -81,6 +86,9 @@ def parse_args(argv):
                                           f"{os.environ['MASTER_PORT']}")
     except ValueError as e:
         p.error(str(e))
+    a.etcd = a.etcd or _C.setting_text("PYDDP_RDZV_STORE")
+    if a.etcd and not a.etcd.startswith(("etcd://", "http://", "https://")):
+        a.etcd = None                          # "pyddp": the endpoint's agent store
     if a.listen is not None and (a.listen <= 0 or not a.port):
         p.error("--listen needs a positive number of seconds and the port (--master "
                 "host:port or MASTER_PORT)")
@@ -134,6 +142,8 @@ def alone(args):
         found.append(port)
     else:
         found[1:1] = chk.reach(args.host, args.port, args.timeout)
+        if args.etcd:
+            found[1:1] = etcd_findings(args.etcd, args.timeout)
         print(chk.findings_block(found))
     code, line = chk.verdict(found)
     print(line, flush=True)

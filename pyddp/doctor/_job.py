@@ -203,6 +203,9 @@ def _lead(args, store, p, rdzv):
           f"{rdzv.master_port}, backend {args.backend}")
     print("\n".join(table(facts)))
     findings = chk.world_findings(facts, args.backend)
+    if args.etcd:                               # the job's store is an etcd cluster
+        from ._etcd_check import findings as etcd_findings
+        findings += etcd_findings(args.etcd, args.timeout)
     per_rank = [[] if f is None else chk.node_findings(
         f, args.backend, sum(1 for _, g in got if g["host_id"] == f["host_id"]),
         len(hosts) > 1, rdzv.master_addr) for f in facts]
