@@ -50,34 +50,45 @@ class ElasticHooks(_world.WorldHooks):
         return True
 
     def on_store(self, store, rdzv, be, backend, timeout_s, device_id):
-        rec = _live.live_job(store)
-        if rec is None or not _live.job_alive(store, rec):
+        g = _join_running_job(store, rdzv.rank, be, timeout_s, rdzv.master_addr or None,
+                              own=False)
+        if g is None:
             return False
-        log.warning("pyddp: rank %d: an in-place elastic job runs at %s; joining it "
-                    "(admitted at its next commit)", rdzv.rank, store.where)
-        _join_with(store, _membership.joiner(store, rec), be, backend, timeout_s, device_id,
-                   rdzv.master_addr or None)
+        _State.device_id = device_id
+        _world.adopt_default_group(g, store, backend, be, timeout_s,
+                                   rdzv.master_addr or None, True)
         return True
 
     def torch_world(self, store, rank, world_size, timeout_s, be, master_addr):
         if Job.membership is not None:
             return None
-        rec = _live.live_job(store)
-        if rec is None or not _live.job_alive(store, rec):
-            return None
-        mem = _membership.joiner(_membership.own_connection(store), rec)
-        log.warning("pyddp: rank %d: an in-place elastic job runs in this store; joining "
-                    "it (admitted at its next commit)", rank)
-        g = _world.make_group(store, 0, 1, f"{mem.base}/solo/{mem.me}", timeout_s, be,
-                              master_addr, True)
-        mem.torch, mem.timeout_s = True, timeout_s
-        Job.joined, Job.membership = True, mem
-        return g
+        return _join_running_job(store, rank, be, timeout_s, master_addr, own=True)
 
     def on_destroy(self):
         mem, Job.membership, Job.joined = Job.membership, None, False
         if mem is not None:
             mem.close()
+
+
+def _join_running_job(store, rank, be, timeout_s, master_addr, own):
+    """The one path of a process of a job's own launch line (a node that came back and
+    ran its line again, a new one, a restarted worker) whose store holds a running
+    in-place job: None when no job runs there (a job recorded there that is gone is
+    marked finished); else it joins: the job's version and token checked here, a world
+    of this process alone returned, and the membership (not admitted yet) kept in Job.
+    own: the membership gets a connection of its own (torch's default group closes
+    the store client it made when a change destroys it)."""
+    rec = _live.live_job(store)
+    if rec is None or not _live.job_alive(store, rec):
+        return None
+    mem = _membership.joiner(_membership.own_connection(store) if own else store, rec)
+    log.warning("pyddp: rank %d: an in-place elastic job runs at %s; joining it "
+                "(admitted at its next commit)", rank, store.where)
+    g = _world.make_group(store, 0, 1, f"{mem.base}/solo/{mem.me}", timeout_s, be,
+                          master_addr, own)
+    mem.torch, mem.timeout_s = own, timeout_s
+    Job.joined, Job.membership = True, mem
+    return g
 
 
 def _join_store(where, timeout_s):
@@ -114,8 +125,9 @@ def _join_store(where, timeout_s):
 
 
 def _join_with(store, mem, be, backend, timeout_s, device_id, host):
-    """The default group of a process not admitted yet into the job of membership mem:
-    this process alone, until pyddp.elastic.run admits it."""
+    """The default group of a process started to join (PYDDP_ELASTIC_JOIN), not admitted
+    yet into the job of membership mem: this process alone, until pyddp.elastic.run
+    admits it."""
     _State.device_id = device_id
     g = _world.make_group(store, 0, 1, f"{mem.base}/solo/{mem.me}", timeout_s, be, host)
     _world.adopt_default_group(g, store, backend, be, timeout_s, host, True)
