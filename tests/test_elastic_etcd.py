@@ -21,7 +21,7 @@ streams, a counting model that shows how often each sample was applied), in one 
 Every epoch applies each sample once with identical state on every rank, and the
 survivors of each change keep their process ids.
 """
-import json
+import contextlib
 import os
 import time
 
@@ -127,13 +127,27 @@ def test_no_node_the_job_cannot_lose(tmp_path):
 
 # ---- on one host, no root: the etcd store under ranks started with torchrun's variables
 
-def _local_job(tmp, etcd, env=None):
-    """A LocalJob of elastic_state.py whose store is etcd's (what a worker of the pyddp
-    rendezvous on etcd gets from its agent: PYDDP_RDZV_STORE and the agent-store flag)."""
+@contextlib.contextmanager
+def _local_job(tmp, world, env=None):
+    """(etcd, LocalJob): a 3-member etcd cluster, and world ranks of elastic_state.py
+    whose store is that etcd (what a worker of the pyddp rendezvous on etcd gets from its
+    agent: PYDDP_RDZV_STORE and the agent-store flag) at epoch 1; both stopped at the end."""
     from test_elastic_inplace import LocalJob
-    return LocalJob(tmp, step_s=0.03, script=STATE_JOB, env=dict(
+    etcd = EtcdCluster(tmp, 3)
+    job = LocalJob(tmp, step_s=0.03, script=STATE_JOB, env=dict(
         {"PYDDP_RDZV_STORE": etcd.endpoint(), "TORCHELASTIC_USE_AGENT_STORE": "True",
          "TORCHELASTIC_RUN_ID": "local"}, **(env or {})))
+    try:
+        etcd.start()
+        etcd.wait_ready()
+        for r in range(world):
+            job.start(f"r{r}", r, world)
+        job.wait_for(lambda r: r["world"] == world and r["epoch"] >= 1, 90,
+                     f"epoch at world {world}")
+        yield etcd, job
+    finally:
+        job.close()
+        etcd.close()
 
 
 def test_without_an_etcd_majority_training_goes_on_and_a_change_names_etcd(tmp_path):
@@ -141,15 +155,8 @@ def test_without_an_etcd_majority_training_goes_on_and_a_change_names_etcd(tmp_p
     same processes); then a rank dies: the change cannot be agreed, and the others end
     with an error that names etcd and the majority it needs, well before the job's
     timeout (PYDDP_ETCD_TIMEOUT bounds each store request)."""
-    etcd = EtcdCluster(tmp_path, 3)
-    job = _local_job(tmp_path, etcd, {"PYDDP_ETCD_TIMEOUT": "5"})
-    try:
-        etcd.start()
-        etcd.wait_ready()
-        for r in range(3):
-            job.start(f"r{r}", r, 3)
-        rec = job.wait_for(lambda r: r["world"] == 3 and r["epoch"] >= 1, 90, "world 3")
-        pids = _pids(rec)
+    with _local_job(tmp_path, 3, {"PYDDP_ETCD_TIMEOUT": "5"}) as (etcd, job):
+        pids = _pids(job.records[-1])
         etcd.kill(0)
         etcd.kill(1)
         n = len(job.records)
@@ -164,44 +171,20 @@ def test_without_an_etcd_majority_training_goes_on_and_a_change_names_etcd(tmp_p
         assert "etcd" in line and "majority" in line, line
         for r in ("r0", "r1"):
             assert job.procs[r].wait(timeout=30) != 0
-    finally:
-        job.close()
-        etcd.close()
     check_state_records(job.records)
 
 
 def test_joiners_with_another_token_or_version_are_refused_on_their_side(tmp_path):
     """On etcd as on pyddp's store: a process joining with another PYDDP_AUTH_TOKEN, or
     another pyddp version, is refused with an error saying so, and the job goes on."""
-    etcd = EtcdCluster(tmp_path, 3)
-    job = _local_job(tmp_path, etcd, {"PYDDP_AUTH_TOKEN": "job-token"})
-    try:
-        etcd.start()
-        etcd.wait_ready()
-        for r in range(2):
-            job.start(f"r{r}", r, 2)
-        rec = job.wait_for(lambda r: r["world"] == 2 and r["epoch"] >= 1, 90, "world 2")
-        where = f"{etcd.endpoint()}/local"
-        job.start("tok", join=where, env={"PYDDP_AUTH_TOKEN": "other"})
-        job.wait_line(lambda n, ln: n == "tok" and "another PYDDP_AUTH_TOKEN" in ln, 60,
-                      "the joiner's token error")
-        assert job.procs["tok"].wait(timeout=30) != 0
-        from pyddp import EtcdStore
-        st = EtcdStore(etcd.endpoint(), "pyddp/local")     # the live record, rewritten
-        key = "/pyddp/elastic/live"
-        live = json.loads(st.get(key))
-        st.set(key, json.dumps(dict(live, version="0.0.0-other")))
-        job.start("ver", join=where)
-        job.wait_line(lambda n, ln: n == "ver" and "runs pyddp 0.0.0-other" in ln, 60,
-                      "the joiner's version error")
-        assert job.procs["ver"].wait(timeout=30) != 0
-        st.set(key, json.dumps(live))
-        st.close()
+    from pyddp import EtcdStore
+    from test_elastic_inplace import refuse_misconfigured_joiners
+    with _local_job(tmp_path, 2, {"PYDDP_AUTH_TOKEN": "job-token"}) as (etcd, job):
+        pids = _pids(job.records[-1])
+        refuse_misconfigured_joiners(job, f"{etcd.endpoint()}/local",
+                                     EtcdStore(etcd.endpoint(), "pyddp/local"))
         n = len(job.records)
         job.wait_for(lambda r: len(job.records) > n, 60, "an epoch after the refusals")
-        assert all(_pids(r) == _pids(rec) for r in job.records), job.records[-1]
+        assert all(_pids(r) == pids for r in job.records), job.records[-1]
         job.finish(["r0", "r1"])
-    finally:
-        job.close()
-        etcd.close()
     check_state_records(job.records)

@@ -193,6 +193,26 @@ def test_inplace_joiner_without_a_job():
         srv.communicate()
 
 
+def refuse_misconfigured_joiners(job, join, st):
+    """Start a joiner with another PYDDP_AUTH_TOKEN, then one whose job runs another
+    pyddp version (its live record rewritten through st, a client of the job's store,
+    closed at the end); each must fail on its own side saying why. join: the joiners'
+    PYDDP_ELASTIC_JOIN (LocalJob.start's join)."""
+    job.start("tok", join=join, env={"PYDDP_AUTH_TOKEN": "another-token"})
+    job.wait_line(lambda n, ln: n == "tok" and "another PYDDP_AUTH_TOKEN" in ln, 60,
+                  "the joiner's token error")
+    assert job.procs["tok"].wait(timeout=30) != 0
+    key = "/pyddp/elastic/live"
+    rec = json.loads(st.get(key))
+    st.set(key, json.dumps(dict(rec, version="0.0.0-other")))
+    job.start("ver", join=join)
+    job.wait_line(lambda n, ln: n == "ver" and "runs pyddp 0.0.0-other" in ln, 60,
+                  "the joiner's version error")
+    assert job.procs["ver"].wait(timeout=30) != 0
+    st.set(key, json.dumps(rec))
+    st.close()
+
+
 def test_inplace_misconfigured_joiners_refused(tmp_path):
     """A joiner holding another PYDDP_AUTH_TOKEN, and one whose job runs another pyddp
     version (the live record rewritten to say so), are refused on their own side with
@@ -204,22 +224,8 @@ def test_inplace_misconfigured_joiners_refused(tmp_path):
             job.start(f"r{r}", r, 2)
         pids = job.wait_for(lambda r: r["world"] == 2 and r["epoch"] >= 1, 90,
                             "epoch at world 2")["pids"]
-        job.env = {"PYDDP_AUTH_TOKEN": "another-token"}
-        job.start("tok", join=True)
-        job.wait_line(lambda n, ln: n == "tok" and "another PYDDP_AUTH_TOKEN" in ln, 60,
-                      "the joiner's token error")
-        assert job.procs["tok"].wait(timeout=30) != 0
-        job.env = {}
-        st = TCPStore("127.0.0.1", job.port, is_master=False, auth=False)
-        key = "/pyddp/elastic/live"
-        rec = json.loads(st.get(key))
-        st.set(key, json.dumps(dict(rec, version="0.0.0-other")))
-        job.start("ver", join=True)
-        job.wait_line(lambda n, ln: n == "ver" and "runs pyddp 0.0.0-other" in ln, 60,
-                      "the joiner's version error")
-        assert job.procs["ver"].wait(timeout=30) != 0
-        st.set(key, json.dumps(rec))
-        st.close()
+        refuse_misconfigured_joiners(job, True, TCPStore("127.0.0.1", job.port,
+                                                         is_master=False, auth=False))
         last = job.records[-1]["epoch"]
         rec = job.wait_for(lambda r: r["epoch"] >= last + 2, 60, "epochs after the refusals")
         assert rec["world"] == 2 and rec["pids"] == pids, rec

@@ -53,7 +53,7 @@ from ._live import LIVE_KEY, check_joiner, get_optional, publish, update_live
 
 log = logging.getLogger("pyddp")
 
-_POLL_S = 0.02
+_SLICE_S = 0.3           # a wait during a change looks at other keys this often
 _WATCH_POLL = timedelta(seconds=0.5)     # a TCP store: rank 0 beats between waits
 _WATCH_LONG = timedelta(seconds=30)      # etcd: the ranks' leases say they live
 
@@ -73,6 +73,17 @@ class StoreLost(_C.DistNetworkError):
 class LeftOut(_C.DistError):
     """This process is not in the job's new membership (it answered a change too late,
     it was refused, or it left)."""
+
+
+def _wait_slice(st, keys, until):
+    """Wait for keys (a watch on etcd, the server's WAIT on a TCP store) until the
+    monotonic time until, at most _SLICE_S; True when they all exist."""
+    left = min(until - time.monotonic(), _SLICE_S)
+    try:
+        st.wait(keys, timeout=timedelta(seconds=max(left, 0.005)))
+        return True
+    except _C.DistTimeoutError:
+        return False
 
 
 def store_lost(store, e):
@@ -261,9 +272,9 @@ class Membership:
             st.set(f"{base}/ok/{self.me}", "1")
         oks = [f"{base}/ok/{i}" for i in answered]
         deadline = time.monotonic() + settle + lag
-        while time.monotonic() < deadline and not st.check(oks) and \
-                not st.check([members_key]):
-            time.sleep(_POLL_S)
+        while time.monotonic() < deadline and not st.check([members_key]):
+            if _wait_slice(st, oks, deadline):
+                break
         if st.check([members_key]):
             return
         alive = [x for x in prop["answers"] if st.check([f"{base}/ok/{x['id']}"])]
@@ -312,7 +323,7 @@ class Membership:
                 elif now >= settle_end:
                     return n
                 next_probe = time.monotonic() + 0.3
-            time.sleep(_POLL_S)
+            _wait_slice(st, [f"{reg}/{self.size}"], next_probe)    # the last answer
 
     def _failed_joiners(self, st, epoch):
         """{id: why} of the processes admitted into epoch when that epoch never came up
