@@ -3,11 +3,16 @@ job, a node that comes back (with the same launch line) is admitted without
 restarting the others, a node sent SIGTERM (a spot VM's notice) leaves at the next
 commit.
 
-On every node, the same line, at the first start and at every return
-(docs/elastic.md has the other forms):
+On every node, the same line, at the first start and at every return, the job's
+coordination in an etcd cluster (any node can go, the first one included;
+docs/elastic.md has the other forms, and where etcd runs):
 
-    torchrun --rdzv-backend=pyddp --rdzv-endpoint=$MASTER:29500 --rdzv-id=job1 \\
-             --nnodes=1:4 --nproc_per_node=2 --max-restarts=100 examples/elastic_train.py
+    torchrun --rdzv-backend=pyddp --rdzv-endpoint=etcd://E1:2379,E2:2379,E3:2379 \\
+             --rdzv-id=job1 --nnodes=1:4 --nproc_per_node=2 --max-restarts=100 \\
+             examples/elastic_train.py
+
+or, with nothing to install, ``--rdzv-endpoint=$MASTER:29500`` (the job's store in that
+node's torchrun agent: the one node the job cannot lose).
 
 On one machine, to try it: ``torchrun --standalone --nproc_per_node=2
 examples/elastic_train.py``.
@@ -25,8 +30,9 @@ seed). What makes it elastic, as in docs/elastic.md's script:
 * ``@elastic.run`` re-enters ``train(state)`` after every change, in the same process.
 
 ``--checkpoint-dir`` (or PYDDP_ELASTIC_CHECKPOINT_DIR) keeps every commit on each node's
-disk too, so even losing the endpoint's node costs only the steps since the last commit:
-the job started again resumes from the newest copy on any node.
+disk too, so even losing the endpoint's node (without etcd), or etcd's majority, costs
+only the steps since the last commit: the job started again resumes from the newest
+copy on any node.
 """
 import argparse
 import os
