@@ -55,7 +55,8 @@ static const ddp_setting_decl table[] = {
     {"PYDDP_ELASTIC_JOIN", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "where a running in-place elastic job is: `host:port` of its store (the static "
      "form's `--master_addr:--master_port`), or `host:port/<rdzv id>` (a c10d launch's "
-     "`--rdzv-endpoint` and `--rdzv-id`, through which the workers' store is found). "
+     "`--rdzv-endpoint` and `--rdzv-id`, through which the workers' store is found), or "
+     "`etcd://HOST:PORT[,...]/<rdzv id>` (a job on etcd). "
      "Only pyddp's own `init_process_group` reads it (not torch's, under the backend "
      "`\"pyddp\"`): it then joins that job, admitted at its next `state.commit()`, "
      "instead of rendezvousing with its own launcher's ranks. Not needed with "
