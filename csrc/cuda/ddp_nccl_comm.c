@@ -416,19 +416,24 @@ static const char *size_hint(ddp_coll_kind k) {
     return "";
 }
 
+/* w's description for messages (made only when one is written). */
+static const char *work_desc(const ddp_nccl_work *w, char *d, size_t len) {
+    return ddp_nccl_describe(w->comm, w->kind, w->seq, w->count, w->count2, w->dtype, d, len);
+}
+
 int ddp_nccl_work_done(ddp_nccl_work *w) {
     if (atomic_load(&w->state) != 0) return 1;
     ddp_nccl_comm *c = w->comm;
     const ddp_cuda_api *api = c->api;
     char d[200], e[600];
-    ddp_nccl_describe(c, w->kind, w->seq, w->count, w->count2, w->dtype, d, sizeof d);
     if (atomic_load(&c->broken)) {
         /* After a clean finalize the events are trustworthy; after a failure a
          * completed event may belong to a kernel that gave up. */
         if (atomic_load(&c->finalized) && api->cudaEventQuery(w->done) == DDP_CU_SUCCESS)
             work_finish(w, DDP_OK, NULL);
         else
-            work_finish(w, c->broken_st, "%s did not complete: %s", d, c->broken_msg);
+            work_finish(w, c->broken_st, "%s did not complete: %s", work_desc(w, d, sizeof d),
+                        c->broken_msg);
         return 1;
     }
     /* NCCL's error state first: a failed collective's kernels exit early,
@@ -439,8 +444,8 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
         if (c->nc && api->ncclCommGetAsyncError(c->nc, &r) == DDP_NC_SUCCESS &&
             r != DDP_NC_SUCCESS && r != DDP_NC_IN_PROGRESS)
             ddp_nccl_fail_locked(c, nc_status(r), "%s failed: NCCL reported %s. Another rank "
-                                 "probably failed or exited; check its output", d,
-                                 ddp_nccl_errtext(c, r, e, sizeof e));
+                                 "probably failed or exited; check its output",
+                                 work_desc(w, d, sizeof d), ddp_nccl_errtext(c, r, e, sizeof e));
         pthread_mutex_unlock(&c->mu);
         if (atomic_load(&c->broken)) {
             work_finish(w, c->broken_st, "%s", c->broken_msg);
@@ -453,15 +458,15 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
         return 1;
     }
     if (q != DDP_CU_ERR_NOT_READY) {
-        ddp_nccl_fail(c, DDP_ERR_ABORTED, "%s failed on the GPU: %s (CUDA error %d)", d,
-                      api->cudaGetErrorString(q), q);
+        ddp_nccl_fail(c, DDP_ERR_ABORTED, "%s failed on the GPU: %s (CUDA error %d)",
+                      work_desc(w, d, sizeof d), api->cudaGetErrorString(q), q);
     } else if (ddp_now_ms() >= w->deadline_ms) {
         ddp_nccl_fail(c, DDP_ERR_TIMEOUT, "%s did not complete within its timeout of %.1f s; "
                       "the NCCL communicator was aborted. Some rank did not reach this "
                       "collective, is stuck or died, or called a different collective (NCCL "
                       "cannot tell which): check that every rank calls the same collectives "
-                      "in the same order with the same sizes%s", d, (double)w->timeout_ms / 1000.0,
-                      size_hint(w->kind));
+                      "in the same order with the same sizes%s", work_desc(w, d, sizeof d),
+                      (double)w->timeout_ms / 1000.0, size_hint(w->kind));
     } else {
         return 0;
     }
