@@ -28,7 +28,7 @@ from pyddp import _C, _nccl_backend as nb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from launch import ROOT, kill_group, run  # noqa: E402
+from launch import ROOT, kill_group  # noqa: E402
 from nccl_fake import build as fake_build  # noqa: E402
 
 FAKE_SRC = os.path.join(HERE, "nccl_fake")
@@ -50,14 +50,7 @@ def fakes(tmp_path_factory):
 
 def scenario(name, fakes, **env):
     """Run one scenario of tests/nccl_fake/scenarios.py with the fakes; its result dict."""
-    if os.path.exists(fakes["log"]):
-        os.unlink(fakes["log"])
-    base = fake_build.env(fakes)
-    base.update({k: str(v) for k, v in env.items()})
-    r = run([sys.executable, SCENARIOS, name], env=base, timeout=90)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.output
-    return json.loads(lines[-1][len("RESULT "):])
+    return fake_build.scenario(SCENARIOS, name, fakes, timeout=90, **env)
 
 
 def load(fakes, nccl, cudart, prefer_loaded=True, **env):
