@@ -164,19 +164,18 @@ def test_python_calls_per_collective(fakes):
     r = scenario("counts", fakes)
     for case in ("torch_sync", "torch_async"):
         py, c = _frames(r, case)
-        assert py == {"torch_backend._pg:ProcessGroupPyddp.allreduce": 1,
-                      "torch_backend._pg:ProcessGroupPyddp._in_c": 1}, (case, py)
+        assert py == {"torch_backend._pg:allreduce": 1, "torch_backend._pg:_in_c": 1}, \
+            (case, py)
         assert c == {"ProcessGroup.torch_run": 1}, (case, c)
         # torch's own part is its wrapper's, the same as for a CPU tensor: no future,
         # stream or device object made, no DLPack capsule
         assert r[case]["torch"] == r["cpu_sync"]["torch"], (case, r[case]["torch"])
         assert r[case]["other"] == r["cpu_sync"]["other"]
     py, c = _frames(r, "torch_broadcast")
-    assert py == {"torch_backend._pg:ProcessGroupPyddp.broadcast": 1,
-                  "torch_backend._pg:ProcessGroupPyddp._in_c": 1} and \
+    assert py == {"torch_backend._pg:broadcast": 1, "torch_backend._pg:_in_c": 1} and \
         c == {"ProcessGroup.torch_run": 1}, (py, c)
     # the CPU tensor's asynchronous call still makes its future at once (the reference)
-    assert any("Future" in k for k in r["cpu_async"]["torch"]), r["cpu_async"]
+    assert any(k.startswith("futures") for k in r["cpu_async"]["torch"]), r["cpu_async"]
     py, c = _frames(r, "pyddp_sync")
     assert sum(py.values()) <= 6 and not any("Work" in k or "Staged" in k or
                                              "caller_stream" in k for k in py), py

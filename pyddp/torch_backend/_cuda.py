@@ -32,44 +32,69 @@ from .. import _nccl_backend
 from .._errors import raise_as_torch, torch_error
 
 
+class Side:
+    """A CUDA stream of one device that pyddp owns, on which futures are completed: the
+    torch Stream, its cudaStream_t (ptr), torch's (stream_id, device_index, device_type)
+    for it, and the future's device list."""
+    __slots__ = ("stream", "ptr", "sid", "device", "dtype", "devices")
+
+    def __init__(self, stream, ptr, sid, device, dtype, devices):
+        self.stream, self.ptr, self.sid = stream, ptr, sid
+        self.device, self.dtype, self.devices = device, dtype, devices
+
+
 class Glue:
     """torch's CUDA calls for the CUDA path. ``stream_of(device)`` is the current stream
     of a device as an int cudaStream_t (torch's raw lookup)."""
 
     def __init__(self):
         self.stream_of = _nccl_backend.torch_stream_of(torch)
-        self._sides = {}        # device -> a torch Stream the futures complete on
+        self._sides = {}        # device -> Side
+        c = torch._C            # torch's own stream calls, where it has them (2.x does)
+        self._get = getattr(c, "_cuda_getCurrentStream", None)
+        self._set = getattr(c, "_cuda_setStream", None)
+        self._device = getattr(c, "_cuda_getDevice", None)
 
     def completed(self, cw, result):
         """A torch future with value result (the output tensors of cw, a queued
         ``_C.Work``), completed at once: its CUDA events follow the collective, so a
-        consumer that waits on it (torch's DDP, ``then`` callbacks) sees the results.
-        Holds cw's error instead when cw already failed."""
+        consumer that waits on it (torch's DDP, ``then`` callbacks) sees the results; a
+        ``torch._C.Future``, as torch's NCCL Work gives. Holds cw's error instead when
+        cw already failed."""
         dev = result[0].get_device()
-        fut = self._future(dev)
-        side, ptr = self._side(dev)
+        side = self._sides.get(dev) or self._side(dev)
         try:
-            cw.publish(ptr)             # side follows the collective on the device
+            cw.publish(side.ptr)        # side follows the collective on the device
         except Exception as e:  # noqa: BLE001 - the failure goes into the future
+            fut = torch.futures.Future()
             fut.set_exception(torch_error(e))
             return fut
-        with self._on(side):
-            fut.set_result(result)      # events recorded on side, after the collective
+        fut = torch._C.Future(side.devices)
+        self._complete_on(side, fut, result)
         return fut
 
-    def _future(self, dev):
-        return torch.futures.Future(devices=[torch.device("cuda", dev)])
-
     def _side(self, dev):
-        """(a torch Stream of device dev that pyddp owns, its cudaStream_t)."""
-        s = self._sides.get(dev)
-        if s is None:
-            st = torch.cuda.Stream(device=dev)
-            s = self._sides[dev] = (st, st.cuda_stream)
-        return s
+        st = torch.cuda.Stream(device=dev)
+        side = self._sides[dev] = Side(st, st.cuda_stream, st.stream_id, st.device_index,
+                                       st.device_type, [torch.device("cuda", dev)])
+        return side
 
-    def _on(self, stream):
-        return torch.cuda.stream(stream)
+    def _complete_on(self, side, fut, result):
+        """fut.set_result(result) with side's stream current on its device: the events
+        the future records there follow the collective. torch's own stream calls when
+        the current device is side's (then switching streams leaves the device alone),
+        else its stream context."""
+        if self._set is not None and self._get is not None and self._device is not None \
+                and self._device() == side.device:
+            prev = self._get(side.device)
+            self._set(stream_id=side.sid, device_index=side.device, device_type=side.dtype)
+            try:
+                fut.set_result(result)
+            finally:
+                self._set(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        else:
+            with torch.cuda.stream(side.stream):
+                fut.set_result(result)
 
 
 GLUE = Glue()

@@ -142,9 +142,10 @@ def async_work():
     return out
 
 
-def _python_calls(fn):
+def python_calls(fn):
     """What one call of fn() costs in Python: {"pyddp": {module:function: calls} of the
-    Python functions of pyddp's package, "torch": {module:function: calls} of torch's,
+    Python functions of pyddp's package (a method by its own name), "torch":
+    {module:function: calls} of torch's,
     "other": calls of any other Python function, "c_from_pyddp": {name: calls} of the C
     functions pyddp's own frames called}."""
     out = {"pyddp": collections.Counter(), "torch": collections.Counter(), "other": 0,
@@ -156,10 +157,10 @@ def _python_calls(fn):
         if event == "call":
             if path.startswith(PKG):
                 mod = os.path.relpath(path, PKG)[:-3].replace(os.sep, ".")
-                out["pyddp"][f"{mod}:{code.co_qualname}"] += 1
+                out["pyddp"][f"{mod}:{code.co_name}"] += 1
             elif path.startswith(TORCH):
                 mod = os.path.relpath(path, TORCH)[:-3].replace(os.sep, ".")
-                out["torch"][f"{mod}:{code.co_qualname}"] += 1
+                out["torch"][f"{mod}:{code.co_name}"] += 1
             else:
                 out["other"] += 1
         elif event == "c_call" and path.startswith(PKG):
@@ -189,14 +190,14 @@ def counts():
     out = {}
     for name, fn in cases.items():
         fn()
-        out[name] = _python_calls(fn)
+        out[name] = python_calls(fn)
     for w in keep:
         w.wait()
     dist.destroy_process_group()
     pyddp_init()
     fn = lambda: pyddp.all_reduce(x)   # noqa: E731
     fn()
-    out["pyddp_sync"] = _python_calls(fn)
+    out["pyddp_sync"] = python_calls(fn)
     pyddp.destroy_process_group()
     return out
 

@@ -9,10 +9,9 @@ that has no CUDA, against the test-double libraries fake_nccl.c and fake_cudart.
   :func:`install` makes pyddp's C path take it where it takes ``torch.Tensor``.
 * :class:`FakeGlue` is ``_cuda.Glue`` without CUDA: the current stream of device d is
   ``STREAMS[d]``, futures have no devices, and completing one switches no stream (its
-  side stream is SIDE_STREAM, which fake_cudart.c logs like any stream).
+  side stream is SIDE_STREAM, which fake_cudart.c logs like any stream; the rest of
+  ``Glue.completed`` is the real one).
 """
-import contextlib
-
 import torch
 
 from pyddp.torch_backend import _cuda
@@ -42,14 +41,12 @@ class FakeGlue(_cuda.Glue):
         super().__init__()
         self.stream_of = STREAMS.__getitem__     # a C callable, like torch's raw lookup
 
-    def _future(self, dev):
-        return torch.futures.Future()
-
     def _side(self, dev):
-        return None, SIDE_STREAM
+        side = self._sides[dev] = _cuda.Side(None, SIDE_STREAM, 0, dev, 1, [])
+        return side
 
-    def _on(self, stream):
-        return contextlib.nullcontext()
+    def _complete_on(self, side, fut, result):
+        fut.set_result(result)
 
 
 def install():
