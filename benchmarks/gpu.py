@@ -109,8 +109,7 @@ def gpu_setup():
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0),
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl", timeout=timedelta(seconds=120))
     backend = dist.new_group(backend="pyddp")
     store = pyddp.TCPStore("127.0.0.1", 0, is_master=True)
     pyddp.init_process_group("nccl", store=store, rank=0, world_size=1,

@@ -84,17 +84,19 @@ class Glue:
         the future records there follow the collective. torch's own stream calls when
         the current device is side's (then switching streams leaves the device alone),
         else its stream context."""
+        prev = None
         if self._set is not None and self._get is not None and self._device is not None \
                 and self._device() == side.device:
-            prev = self._get(side.device)
-            self._set(stream_id=side.sid, device_index=side.device, device_type=side.dtype)
-            try:
-                fut.set_result(result)
-            finally:
-                self._set(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-        else:
+            prev = self._get(side.device)    # (stream_id, device_index, device_type)
+        if not isinstance(prev, tuple) or len(prev) != 3:
             with torch.cuda.stream(side.stream):
                 fut.set_result(result)
+            return
+        self._set(stream_id=side.sid, device_index=side.device, device_type=side.dtype)
+        try:
+            fut.set_result(result)
+        finally:
+            self._set(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
 
 GLUE = Glue()

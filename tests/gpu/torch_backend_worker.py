@@ -123,8 +123,7 @@ def ddp(pg, r, dev, failed):
 def main():
     dev = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", dev),
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl", timeout=timedelta(seconds=120))
     r, ws = dist.get_rank(), dist.get_world_size()
     pg = dist.new_group(backend="pyddp")
     failed = []
