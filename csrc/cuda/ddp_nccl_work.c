@@ -9,6 +9,7 @@
  */
 #include "ddp_nccl_internal.h"
 
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -170,12 +171,21 @@ int ddp_nccl_work_done(ddp_nccl_work *w) {
     return 1;
 }
 
+/* A wait polls without sleeping this long first: a small collective ends a few
+ * microseconds after its launch, and the first nap would take tens of them
+ * (a sleep is rounded up by the kernel's timer slack). */
+#define WAIT_SPIN_US 100
+
 ddp_status ddp_nccl_work_wait(ddp_nccl_work *w, ddp_wait wait) {
     int us = 10;
+    int64_t spin_until = ddp_now_us() + WAIT_SPIN_US;
     while (!ddp_nccl_work_done(w)) {
         if (ddp_wait_aborted(wait)) return ddp_error(DDP_ERR_ABORTED, "wait interrupted");
         if (ddp_wait_expired(wait)) return ddp_error(DDP_ERR_TIMEOUT, "wait timed out");
-        ddp_nccl_nap(&us);
+        if (ddp_now_us() < spin_until)
+            sched_yield();   /* another thread that needs this core gets it */
+        else
+            ddp_nccl_nap(&us);
     }
     if (w->st != DDP_OK) return ddp_error(w->st, "%s", w->msg);
     return DDP_OK;
