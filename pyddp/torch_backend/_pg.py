@@ -31,7 +31,8 @@ core as they are). torch's semantics kept here:
 * a call with ``asyncOp`` (every call from C++, and torch's ``async_op=True``) returns a
   torch ``Work`` over a ``torch.futures.Future`` whose value is the list of output
   tensors, completed by pyddp's own completion thread, never by a Python thread per
-  call;
+  call (on one CUDA tensor, as torch's "nccl" does: a future made when asked for,
+  completed at once with CUDA events that follow the collective, ``_cuda``);
 * errors raised while the collective runs reach the future (or, for a blocking call,
   the caller) as torch's DistError family (``_errors.torch_error``); arguments pyddp
   refuses raise at the call, before anything is sent;
