@@ -1,20 +1,25 @@
 """The lean call path: a blocking single-buffer collective (all_reduce, broadcast, reduce,
-barrier) of host memory in one C call, without ``Staged``, a Python ``Work`` or a
-``_C.Work``.
+barrier) in one C call, without ``Staged``, a Python ``Work`` or a ``_C.Work``.
 
 ``ProcessGroup.run`` (py_pg.c) submits through the same queue and waits through the
 same loop as ``Work.wait`` (a small one runs inline on the calling thread when nothing
 is queued), so ordering, headers, timeouts, Ctrl-C and the flight record are those of
-the general path. It takes a C-contiguous NumPy array of a native dtype, or a
-contiguous CPU torch tensor as (data_ptr, numel, dtype code): no DLPack capsule per call
-(``_arrays.torch_cpu_code``, the one test for such a tensor; torch is recognised by
-name, never imported). Anything else (GPU arrays, non-contiguous or unusual arrays,
-other process-group types) is left to the general path.
+the general path. It takes a C-contiguous NumPy array of a native dtype, a contiguous
+CPU torch tensor as (data_ptr, numel, dtype code) (``_arrays.torch_cpu_code``, the one
+test for such a tensor; torch is recognised by name, never imported), or a contiguous
+CUDA torch tensor, which C reads itself (csrc/py/py_torch_cuda.c: its device and the
+current stream looked up once) and runs on NCCL, waited for and then published on the
+caller's stream: no DLPack capsule per call. Anything else (other GPU arrays,
+non-contiguous or unusual arrays, other process-group types) is left to the general
+path.
 """
+import sys
+
 import numpy as np
 
 from . import _C
 from . import _arrays as A
+from . import _nccl_backend
 from ._errors import COLLECTIVE_FAILURES, raise_explained
 
 _ndarray = np.ndarray
@@ -22,6 +27,16 @@ _PG = _C.ProcessGroup
 _DT = {np.dtype(n): getattr(_C, "DT_" + n.upper()) for n in
        ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")}
 _torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
+_cuda_type = _C.torch_cuda_type       # the CUDA tensor class C takes (None: not set up)
+
+
+def _cuda_setup(x):
+    """Whether x is a CUDA tensor of the class the C lean path takes, setting that path
+    up the first time one comes (torch is imported by then)."""
+    if _cuda_type() is not None or A._lib(x) != "torch" or not x.is_cuda:
+        return False
+    _nccl_backend.torch_cuda_setup(sys.modules["torch"])
+    return type(x) is _cuda_type()
 
 
 def run(g, kind, x, op, root):
@@ -43,10 +58,15 @@ def run(g, kind, x, op, root):
             r = pg.run(kind, None, op, root, timeout_ms)
         else:
             code = _torch_cpu_code(x)
-            n = x.numel() if code is not None else 0
-            if not n:
+            if code is not None:
+                n = x.numel()
+                if not n:
+                    return False
+                r = pg.run(kind, x.data_ptr(), op, root, timeout_ms, n, code)
+            elif tp is _cuda_type() or _cuda_setup(x):
+                r = pg.run(kind, x, op, root, timeout_ms)   # NotImplemented: not taken
+            else:
                 return False
-            r = pg.run(kind, x.data_ptr(), op, root, timeout_ms, n, code)
     except COLLECTIVE_FAILURES as e:
         # The collective failed (the wait itself has no timeout): as Work.wait does,
         # say who had not arrived if a peer's timeout caused it.

@@ -1,5 +1,7 @@
 """The NCCL side of pyddp: finding libnccl and the CUDA runtime, choosing this process's
-GPU, and finding the caller's CUDA stream. A group's NCCL communicator itself is set up
+GPU, and finding the caller's CUDA stream (for a torch tensor, torch's raw lookup of the
+current stream, also handed to the C lean path of CUDA tensors: torch_cuda_setup). A
+group's NCCL communicator itself is set up
 by pyddp._group (through ``_C.ProcessGroup.attach_nccl``) and driven by the same
 ``_C.ProcessGroup`` as the CPU transport.
 
@@ -29,6 +31,7 @@ import sys
 import warnings
 
 from . import _C, _env
+from . import _arrays
 from ._version import __version__
 
 NCCL_WHEELS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")
@@ -246,6 +249,27 @@ def _device_index(device_id):
     return idx
 
 
+def torch_stream_of(torch):
+    """torch's lookup of the current CUDA stream of a device (an int ordinal) as an int
+    cudaStream_t: its raw C call where it has one (no Stream object made), else the
+    public API."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+def torch_cuda_setup(torch, tensor_type=None, stream_of=None):
+    """Hand the C lean path of CUDA tensors (``_C.torch_cuda_config``) the class it
+    takes (exactly ``torch.Tensor``), torch's dtype codes and the current-stream lookup
+    (``torch_stream_of``). tensor_type and stream_of replace the last two: the test
+    doubles of tests/nccl_fake, where torch has no CUDA, pass their own. Touches no
+    GPU."""
+    tt, strided, codes = _arrays.torch_hook_config(torch)
+    _C.torch_cuda_config(tt if tensor_type is None else tensor_type, strided, codes,
+                         torch_stream_of(torch) if stream_of is None else stream_of)
+
+
 def caller_stream(x):
     """The CUDA stream (an int cudaStream_t) on which x's producer works and its consumer
     will read the result, or None when no ordering is needed (host arrays, a
@@ -257,7 +281,7 @@ def caller_stream(x):
         if not x.is_cuda:
             return None
         import torch  # x is a torch tensor, so torch is already imported
-        return torch.cuda.current_stream(x.device).cuda_stream
+        return torch_stream_of(torch)(x.get_device())
     if mod.startswith("cupy"):
         import cupy
         with x.device:

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from pyddp import _C, _nccl_backend as nb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from launch import ROOT, kill_group, run  # noqa: E402
+from launch import ROOT, kill_group  # noqa: E402
+from nccl_fake import build as fake_build  # noqa: E402
 
 FAKE_SRC = os.path.join(HERE, "nccl_fake")
 SCENARIOS = os.path.join(FAKE_SRC, "scenarios.py")
@@ -43,33 +43,14 @@ NCCL_OPS = {"SUM": 0, "PRODUCT": 1, "MAX": 2, "MIN": 3, "AVG": 4}
 @pytest.fixture(scope="module")
 def fakes(tmp_path_factory):
     """Paths of the compiled test doubles: nccl, cudart, cudart_old (driver too old)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    if fake_build.compiler() is None:
         pytest.skip("no C compiler to build the fake NCCL/CUDA libraries")
-    d = tmp_path_factory.mktemp("nccl_fake")
-    builds = {"nccl": ("fake_nccl.c", "libnccl.so.2", []),
-              "cudart": ("fake_cudart.c", "libcudart.so.12", []),
-              "cudart_old": ("fake_cudart.c", "libcudart_old.so", ["-DFAKE_OLD_DRIVER"])}
-    out = {}
-    for key, (src, name, extra) in builds.items():
-        out[key] = str(d / name)
-        subprocess.run([cc, "-shared", "-fPIC", "-O1", *extra, "-o", out[key],
-                        os.path.join(FAKE_SRC, src)], check=True, timeout=120)
-    out["log"] = str(d / "calls.log")
-    return out
+    return fake_build.build(tmp_path_factory.mktemp("nccl_fake"))
 
 
 def scenario(name, fakes, **env):
     """Run one scenario of tests/nccl_fake/scenarios.py with the fakes; its result dict."""
-    if os.path.exists(fakes["log"]):
-        os.unlink(fakes["log"])
-    base = {"PYDDP_NCCL_LIBRARY": fakes["nccl"], "PYDDP_CUDART_LIBRARY": fakes["cudart"],
-            "FAKE_LOG": fakes["log"]}
-    base.update({k: str(v) for k, v in env.items()})
-    r = run([sys.executable, SCENARIOS, name], env=base, timeout=90)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.output
-    return json.loads(lines[-1][len("RESULT "):])
+    return fake_build.scenario(SCENARIOS, name, fakes, timeout=90, **env)
 
 
 def load(fakes, nccl, cudart, prefer_loaded=True, **env):

@@ -99,8 +99,9 @@ typedef struct ddp_pg_ops {
     ddp_status (*work_wait)(void *work, ddp_wait w);
     /* The failed work's message ("" otherwise). */
     const char *(*work_error)(void *work);
-    /* After a successful wait: make the caller's stream see the results
-     * (NULL for host transports). */
+    /* Make the caller's stream see the results, on the device: after a
+     * successful wait, or before the work finished (the stream then waits for
+     * it without the host waiting). NULL for host transports. */
     ddp_status (*work_publish)(void *work, uintptr_t stream);
     /* After a failure: 1 once the device let go of the buffers (polls up to
      * ms); NULL means always 1. */

@@ -293,6 +293,11 @@ static ddp_nc_result call_nccl(ddp_nccl_comm *c, const ddp_coll_args *a, int nt,
     return 4; /* ncclInvalidArgument */
 }
 
+/* w's description for messages, with sequence number seq (made only when a
+ * message needs it: a snprintf per call is a measurable part of a launch). */
+#define DESCRIBE(seq) ddp_nccl_describe(c, a->kind, (seq), w->count, w->count2, a->dtype, \
+                                        d, sizeof d)
+
 /* Enqueue, under mu: producer order, staging copies, the NCCL call, the
  * completion event. Breaks the communicator if NCCL was entered and the
  * sequence could not be completed (ranks would disagree on what ran). */
@@ -301,11 +306,10 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
                                const ddp_nccl_interrupt *intr, ddp_nccl_work *w) {
     const ddp_cuda_api *api = c->api;
     char d[200];
-    ddp_nccl_describe(c, a->kind, c->seq + 1, w->count, w->count2, a->dtype, d, sizeof d);
     if (atomic_load(&c->broken) || c->nc == NULL)
         return ddp_error(atomic_load(&c->broken) ? c->broken_st : DDP_ERR_INVALID,
-                         "%s: %s", d, atomic_load(&c->broken) ? c->broken_msg
-                                                              : "the communicator is gone");
+                         "%s: %s", DESCRIBE(c->seq + 1),
+                         atomic_load(&c->broken) ? c->broken_msg : "the communicator is gone");
     ddp_status st = ddp_nccl_use_device(c);
     if (st != DDP_OK) return st;
     int nt = 0, no = 0;   /* a batch maps each op's own dtype (batch_body) */
@@ -325,9 +329,11 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
                                  DDP_CU_MEMCPY_DEFAULT, c->stream);
     }
     if (e != DDP_CU_SUCCESS)   /* nothing reached NCCL: the communicator stays usable */
-        return ddp_error(DDP_ERR_SYS, "%s: %s failed: %s", d, what, api->cudaGetErrorString(e));
+        return ddp_error(DDP_ERR_SYS, "%s: %s failed: %s", DESCRIBE(c->seq + 1), what,
+                         api->cudaGetErrorString(e));
     w->seq = ++c->seq;
-    st = ddp_nccl_settle_locked(c, call_nccl(c, a, nt, no), d,
+    ddp_nc_result r = call_nccl(c, a, nt, no);
+    st = ddp_nccl_settle_locked(c, r, r == DDP_NC_SUCCESS ? "" : DESCRIBE(w->seq),
                                 (ddp_wait){w->deadline_ms, NULL}, intr);
     if (st != DDP_OK) return st;
     if (plan && plan->out_bytes) {
@@ -340,12 +346,14 @@ static ddp_status issue_locked(ddp_nccl_comm *c, const ddp_coll_args *a, int has
         e = api->cudaEventRecord(w->done, c->stream);
     }
     if (e != DDP_CU_SUCCESS) {
-        ddp_nccl_fail_locked(c, DDP_ERR_ABORTED, "%s: %s failed: %s", d, what,
+        ddp_nccl_fail_locked(c, DDP_ERR_ABORTED, "%s: %s failed: %s", DESCRIBE(w->seq), what,
                              api->cudaGetErrorString(e));
         return ddp_error(c->broken_st, "%s", c->broken_msg);
     }
     return DDP_OK;
 }
+
+#undef DESCRIBE
 
 static ddp_status submit_plan(ddp_nccl_comm *c, const ddp_coll_args *a, int has_producer,
                               uintptr_t producer, const stage_plan *plan, int64_t timeout_ms,

@@ -1,6 +1,6 @@
 /* ddp_nccl_comm.c - the NCCL communicator's life: creation through the
- * store, failure and abort, completion polling of works, destruction
- * (contract in ddp_nccl_comm.h; shared state in ddp_nccl_internal.h).
+ * store, failure and abort, destruction (contract in ddp_nccl_comm.h; shared
+ * state in ddp_nccl_internal.h; its works are ddp_nccl_work.c's).
  *
  * Every wait here is a poll loop with a deadline: NCCL's non-blocking mode
  * turns set-up and launches into "in progress" states and CUDA events into
@@ -55,9 +55,7 @@ const char *ddp_nccl_errtext(const ddp_nccl_comm *c, ddp_nc_result r, char *buf,
     return buf;
 }
 
-/* The status for a failed NCCL result: network-ish failures (a peer gone,
- * a socket error) become DistNetworkError, the rest DistBackendError. */
-static ddp_status nc_status(ddp_nc_result r) {
+ddp_status ddp_nccl_status_of(ddp_nc_result r) {
     return r == 2 /* ncclSystemError */ || r == 6 /* ncclRemoteError */ ? DDP_ERR_CLOSED
                                                                         : DDP_ERR_ABORTED;
 }
@@ -123,7 +121,7 @@ ddp_status ddp_nccl_settle_locked(ddp_nccl_comm *c, ddp_nc_result r, const char 
         if (c->api->ncclCommGetAsyncError(c->nc, &r) != DDP_NC_SUCCESS) break;
     }
     if (r != DDP_NC_SUCCESS && r != DDP_NC_IN_PROGRESS && c->nc)
-        ddp_nccl_fail_locked(c, nc_status(r), "%s failed: %s. Another rank probably failed "
+        ddp_nccl_fail_locked(c, ddp_nccl_status_of(r), "%s failed: %s. Another rank probably failed "
                              "or exited; check its output", what,
                              ddp_nccl_errtext(c, r, e, sizeof e));
     if (atomic_load(&c->broken)) return ddp_error(c->broken_st, "%s", c->broken_msg);
@@ -241,7 +239,7 @@ static ddp_status init_nccl(ddp_nccl_comm *c, ddp_nc_uid uid, ddp_wait w) {
         ddp_nccl_errtext(c, r, e, sizeof e);
         c->nc = NULL;
         if (nc) api->ncclCommAbort(nc);
-        return ddp_error(nc_status(r), "rank %d: creating the NCCL communicator on cuda:%d "
+        return ddp_error(ddp_nccl_status_of(r), "rank %d: creating the NCCL communicator on cuda:%d "
                          "failed: %s. NCCL refuses two ranks on one GPU: check that each "
                          "process uses its own device (LOCAL_RANK)", c->rank, c->device, e);
     }
@@ -257,9 +255,11 @@ static void free_resources(ddp_nccl_comm *c) {
         if (c->scratch) api->cudaFree(c->scratch);
         if (c->stage_dev) api->cudaFree(c->stage_dev);
         if (c->stage_host) api->cudaFreeHost(c->stage_host);
+        ddp_nccl_events_free(c);
     }
     pthread_mutex_destroy(&c->mu);
     pthread_mutex_destroy(&c->stage_mu);
+    pthread_mutex_destroy(&c->ev_mu);
     free(c);
 }
 
@@ -288,6 +288,7 @@ ddp_status ddp_nccl_comm_create(const ddp_nccl_config *cfg, ddp_store *store,
     c->timeout_ms = cfg->timeout_ms;
     pthread_mutex_init(&c->mu, NULL);
     pthread_mutex_init(&c->stage_mu, NULL);
+    pthread_mutex_init(&c->ev_mu, NULL);
     atomic_init(&c->refs, 1);
     ddp_wait w = ddp_wait_for(cfg->timeout_ms, cfg->abort);
     ddp_nc_uid uid;
@@ -348,170 +349,5 @@ void ddp_nccl_comm_destroy(ddp_nccl_comm *c, ddp_wait w) {
         atomic_store(&c->broken, 1);
     }
     pthread_mutex_unlock(&c->mu);
-    ddp_nccl_comm_release(c);
-}
-
-/* ---- works ------------------------------------------------------------ */
-
-ddp_nccl_work *ddp_nccl_work_new(ddp_nccl_comm *c, const ddp_coll_args *a, int64_t timeout_ms) {
-    ddp_nccl_work *w = calloc(1, sizeof *w);
-    if (w == NULL) return NULL;
-    if (c->api->cudaEventCreateWithFlags(&w->done, DDP_CU_EVENT_DISABLE_TIMING) != DDP_CU_SUCCESS) {
-        free(w);
-        return NULL;
-    }
-    w->timeout_ms = timeout_ms < 0 ? c->timeout_ms : timeout_ms;
-    w->deadline_ms = ddp_wait_for(w->timeout_ms, NULL).deadline_ms;
-    w->kind = a->kind;
-    w->dtype = a->dtype;
-    w->count = a->count;
-    if (a->kind == DDP_COLL_ALLTOALL) {         /* validated: the arrays are there */
-        w->count = w->count2 = 0;
-        for (int p = 0; p < c->size; p++) {
-            w->count += a->scounts[p];
-            w->count2 += a->rcounts[p];
-        }
-    } else if (a->kind == DDP_COLL_P2P_BATCH) {
-        w->count = w->count2 = 0;
-        for (int i = 0; i < a->nops; i++) {
-            if (a->ops[i].is_send) w->count++;
-            else w->count2++;
-        }
-    }
-    pthread_mutex_init(&w->mu, NULL);
-    atomic_init(&w->state, 0);
-    ddp_nccl_comm_retain(c);
-    w->comm = c;
-    return w;
-}
-
-/* Move a pending work to its final state (first caller wins). */
-static void work_finish(ddp_nccl_work *w, ddp_status st, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void work_finish(ddp_nccl_work *w, ddp_status st, const char *fmt, ...) {
-    pthread_mutex_lock(&w->mu);
-    if (atomic_load(&w->state) == 0) {
-        w->st = st;
-        if (fmt) {
-            va_list ap;
-            va_start(ap, fmt);
-            vsnprintf(w->msg, sizeof w->msg, fmt, ap);
-            va_end(ap);
-        }
-        atomic_store(&w->state, st == DDP_OK ? 1 : 2);
-    }
-    pthread_mutex_unlock(&w->mu);
-}
-
-/* NCCL's send/recv carry no sizes the peer could check, so a size mismatch
- * in a grouped exchange is just a hang: say what has to agree. */
-static const char *size_hint(ddp_coll_kind k) {
-    if (k == DDP_COLL_ALLTOALL)
-        return " (for all_to_all: rank p's input split for rank q must equal rank q's output "
-               "split for rank p)";
-    if (k == DDP_COLL_P2P_BATCH)
-        return " (for batch_isend_irecv: each send needs a receive of the same count and dtype "
-               "on its peer, in the same order)";
-    return "";
-}
-
-int ddp_nccl_work_done(ddp_nccl_work *w) {
-    if (atomic_load(&w->state) != 0) return 1;
-    ddp_nccl_comm *c = w->comm;
-    const ddp_cuda_api *api = c->api;
-    char d[200], e[600];
-    ddp_nccl_describe(c, w->kind, w->seq, w->count, w->count2, w->dtype, d, sizeof d);
-    if (atomic_load(&c->broken)) {
-        /* After a clean finalize the events are trustworthy; after a failure a
-         * completed event may belong to a kernel that gave up. */
-        if (atomic_load(&c->finalized) && api->cudaEventQuery(w->done) == DDP_CU_SUCCESS)
-            work_finish(w, DDP_OK, NULL);
-        else
-            work_finish(w, c->broken_st, "%s did not complete: %s", d, c->broken_msg);
-        return 1;
-    }
-    /* NCCL's error state first: a failed collective's kernels exit early,
-     * so its event completing does not mean the data arrived. Skip the
-     * check when another thread is inside NCCL (it polls the same state). */
-    if (pthread_mutex_trylock(&c->mu) == 0) {
-        ddp_nc_result r = DDP_NC_SUCCESS;
-        if (c->nc && api->ncclCommGetAsyncError(c->nc, &r) == DDP_NC_SUCCESS &&
-            r != DDP_NC_SUCCESS && r != DDP_NC_IN_PROGRESS)
-            ddp_nccl_fail_locked(c, nc_status(r), "%s failed: NCCL reported %s. Another rank "
-                                 "probably failed or exited; check its output", d,
-                                 ddp_nccl_errtext(c, r, e, sizeof e));
-        pthread_mutex_unlock(&c->mu);
-        if (atomic_load(&c->broken)) {
-            work_finish(w, c->broken_st, "%s", c->broken_msg);
-            return 1;
-        }
-    }
-    ddp_cu_err q = api->cudaEventQuery(w->done);
-    if (q == DDP_CU_SUCCESS) {
-        work_finish(w, DDP_OK, NULL);
-        return 1;
-    }
-    if (q != DDP_CU_ERR_NOT_READY) {
-        ddp_nccl_fail(c, DDP_ERR_ABORTED, "%s failed on the GPU: %s (CUDA error %d)", d,
-                      api->cudaGetErrorString(q), q);
-    } else if (ddp_now_ms() >= w->deadline_ms) {
-        ddp_nccl_fail(c, DDP_ERR_TIMEOUT, "%s did not complete within its timeout of %.1f s; "
-                      "the NCCL communicator was aborted. Some rank did not reach this "
-                      "collective, is stuck or died, or called a different collective (NCCL "
-                      "cannot tell which): check that every rank calls the same collectives "
-                      "in the same order with the same sizes%s", d, (double)w->timeout_ms / 1000.0,
-                      size_hint(w->kind));
-    } else {
-        return 0;
-    }
-    work_finish(w, c->broken_st, "%s", c->broken_msg);
-    return 1;
-}
-
-ddp_status ddp_nccl_work_wait(ddp_nccl_work *w, ddp_wait wait) {
-    int us = 10;
-    while (!ddp_nccl_work_done(w)) {
-        if (ddp_wait_aborted(wait)) return ddp_error(DDP_ERR_ABORTED, "wait interrupted");
-        if (ddp_wait_expired(wait)) return ddp_error(DDP_ERR_TIMEOUT, "wait timed out");
-        ddp_nccl_nap(&us);
-    }
-    if (w->st != DDP_OK) return ddp_error(w->st, "%s", w->msg);
-    return DDP_OK;
-}
-
-const char *ddp_nccl_work_error(const ddp_nccl_work *w) {
-    return atomic_load(&w->state) == 2 ? w->msg : "";
-}
-
-ddp_status ddp_nccl_work_sync_stream(ddp_nccl_work *w, uintptr_t stream) {
-    ddp_nccl_comm *c = w->comm;
-    ddp_status st = ddp_nccl_use_device(c);
-    if (st != DDP_OK) return st;
-    ddp_cu_err e = c->api->cudaStreamWaitEvent((ddp_cu_stream)stream, w->done, 0);
-    if (e != DDP_CU_SUCCESS)
-        return ddp_error(DDP_ERR_SYS, "rank %d: cudaStreamWaitEvent on the caller's stream "
-                         "failed: %s", c->rank, c->api->cudaGetErrorString(e));
-    return DDP_OK;
-}
-
-int ddp_nccl_work_drained(ddp_nccl_work *w, int64_t ms) {
-    const ddp_cuda_api *api = w->comm->api;
-    ddp_wait lim = ddp_wait_for(ms, NULL);
-    int us = 50;
-    for (;;) {
-        ddp_cu_err q = api->cudaEventQuery(w->done);
-        if (q != DDP_CU_ERR_NOT_READY) return q == DDP_CU_SUCCESS;
-        if (ddp_wait_expired(lim)) return 0;
-        ddp_nccl_nap(&us);
-    }
-}
-
-void ddp_nccl_work_release(ddp_nccl_work *w) {
-    if (w == NULL) return;
-    ddp_nccl_comm *c = w->comm;
-    if (ddp_nccl_use_device(c) == DDP_OK) c->api->cudaEventDestroy(w->done);
-    pthread_mutex_destroy(&w->mu);
-    free(w);
     ddp_nccl_comm_release(c);
 }

@@ -101,14 +101,16 @@ ddp_status ddp_nccl_run_host(ddp_nccl_comm *c, const ddp_coll_args *a, int64_t t
 /* Poll once, never blocking: nonzero once the work finished (successfully
  * or not). May abort the communicator when the work failed. */
 int ddp_nccl_work_done(ddp_nccl_work *w);
-/* Poll until the work finishes or `wait` ends. Returns the work's status
+/* Poll until the work finishes or `wait` ends (the first 100 us without
+ * sleeping, then with naps growing to 1 ms). Returns the work's status
  * when finished, else DDP_ERR_TIMEOUT / DDP_ERR_ABORTED for the wait itself
  * (check ddp_nccl_work_done to tell the two apart). */
 ddp_status ddp_nccl_work_wait(ddp_nccl_work *w, ddp_wait wait);
 /* The failed work's message ("" before it finished or when it succeeded). */
 const char *ddp_nccl_work_error(const ddp_nccl_work *w);
-/* After a successful wait: make `stream` wait for the work's results, so
- * that work the caller queues there later sees them. */
+/* Make `stream` wait for the work's results on the device, so that work the
+ * caller queues there later sees them; the host does not wait, and the work
+ * need not have finished (torch's wait() on a CUDA work). */
 ddp_status ddp_nccl_work_sync_stream(ddp_nccl_work *w, uintptr_t stream);
 /* After a failure: poll the completion event for up to ms milliseconds;
  * 1 once the GPU is done with the work's buffers (an aborted NCCL kernel

@@ -1,6 +1,6 @@
 /* ddp_nccl_internal.h - the state shared by ddp_nccl_comm.c (lifecycle,
- * failures, polling) and ddp_nccl_coll.c (issuing collectives). Not for use
- * outside csrc/cuda.
+ * failures), ddp_nccl_work.c (works: completion, polling) and
+ * ddp_nccl_coll.c (issuing collectives). Not for use outside csrc/cuda.
  *
  * Locking: `mu` serialises every call into NCCL and every use of the stream
  * and of `ready`; `stage_mu` owns the host-staging buffers for the whole of
@@ -13,6 +13,8 @@
 
 #include <pthread.h>
 #include "ddp_nccl_comm.h"
+
+#define DDP_NCCL_EVENT_POOL 64   /* completion events kept for reuse */
 
 struct ddp_nccl_comm {
     const ddp_cuda_api *api;
@@ -33,6 +35,9 @@ struct ddp_nccl_comm {
     ddp_status broken_st;
     char broken_msg[1024];
     atomic_int refs;             /* the owner + each unreleased work */
+    pthread_mutex_t ev_mu;       /* guards ev_free/ev_nfree */
+    ddp_cu_event ev_free[DDP_NCCL_EVENT_POOL];   /* completed events to reuse */
+    int ev_nfree;
 };
 
 struct ddp_nccl_work {
@@ -50,6 +55,14 @@ struct ddp_nccl_work {
     ddp_status st;
     char msg[1536];
 };
+
+/* The status for a failed NCCL result: network-ish failures (a peer gone,
+ * a socket error) become DistNetworkError, the rest DistBackendError. */
+ddp_status ddp_nccl_status_of(ddp_nc_result r);
+
+/* Destroy the pooled completion events (the last release; c's device is
+ * current). */
+void ddp_nccl_events_free(ddp_nccl_comm *c);
 
 /* Make the communicator's device current on this thread (if it is not). */
 ddp_status ddp_nccl_use_device(ddp_nccl_comm *c);

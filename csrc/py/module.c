@@ -39,6 +39,7 @@ static int ddp_exec(PyObject *m) {
     if (ddp_py_grad_hooks_register(m) < 0) return -1;
     if (ddp_py_settings_register(m) < 0) return -1;
     if (ddp_py_torch_thin_register(m) < 0) return -1;
+    if (ddp_py_torch_cuda_register(m) < 0) return -1;
     if (add_forensics_schema(m) < 0) return -1;
     return 0;
 }

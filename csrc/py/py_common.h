@@ -93,12 +93,16 @@ struct ddp_store *ddp_py_store_wrap(PyObject *obj);
 PyObject *ddp_py_reducer_ready(PyObject *reducer, size_t i, PyObject *owner, void *ptr,
                                size_t count, int dtype, int copy_back);
 
-/* The one C test for a contiguous CPU torch tensor (py_torch_thin.c; the
- * same test as pyddp/_arrays.py's torch_cpu_code): t is exactly tensor_type,
- * its dtype a key of dtypes (torch dtype -> DT_* code), is_cpu, layout
- * strided, contiguous. 1 with its address, element count and dtype code
- * filled; 0 if not (or tensor_type/dtypes NULL); -1 with an exception. Used
- * by the DDP gradient hooks and by ProcessGroup.torch_run. */
+/* The one C test for a contiguous torch tensor (py_torch_thin.c; for the
+ * CPU the same test as pyddp/_arrays.py's torch_cpu_code): t is exactly
+ * tensor_type, its dtype a key of dtypes (torch dtype -> DT_* code), is_cpu
+ * (cuda 0) or is_cuda (cuda 1), layout strided, contiguous. 1 with its
+ * address, element count and dtype code filled; 0 if not (or
+ * tensor_type/dtypes NULL); -1 with an exception. The CPU form is used by
+ * the DDP gradient hooks and by ProcessGroup.torch_run, the CUDA one by
+ * py_torch_cuda.c. */
+int ddp_py_torch_tensor(PyObject *tensor_type, PyObject *strided, PyObject *dtypes,
+                        PyObject *t, int cuda, void **ptr, size_t *count, int *code);
 int ddp_py_torch_cpu_tensor(PyObject *tensor_type, PyObject *strided, PyObject *dtypes,
                             PyObject *t, void **ptr, size_t *count, int *code);
 
@@ -114,5 +118,6 @@ int ddp_py_nccl_register(PyObject *m);
 int ddp_py_work_register(PyObject *m);
 int ddp_py_settings_register(PyObject *m);
 int ddp_py_torch_thin_register(PyObject *m);
+int ddp_py_torch_cuda_register(PyObject *m);
 
 #endif

@@ -68,13 +68,28 @@ void ddp_py_call_release(ddp_py_call *c);
  * group destroyed, no GPU transport). */
 int ddp_py_pg_route(PGObject *self, int on_gpu, ddp_pg *out);
 
-/* The one submit path: c on pg. Takes over everything c holds in every
- * case. GPU arrays are checked against the device, c filled (c->fill), then
- * blocking (run()): inline where the transport takes it (ddp_py_run_inline),
- * else submitted and waited for here; None, or NULL with an exception.
- * Otherwise submitted (an NCCL launch with the GIL released and Ctrl-C
- * watched) and returned as a pyddp._C.Work, or NULL with an exception. */
-PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking);
+/* How ddp_py_pg_call ends a call. */
+typedef enum ddp_py_mode {
+    DDP_PY_SUBMIT = 0,   /* submit it and return its pyddp._C.Work */
+    DDP_PY_RUN = 1,      /* run it to the end (inline where the transport takes it, else
+                          * queued and waited for; a GPU call's results are then
+                          * published on c->stream) and return None */
+    DDP_PY_ENQUEUE = 2,  /* GPU only: queue it, order c->stream after it at once (no
+                          * host wait), let the completion thread watch it, return None */
+    DDP_PY_WATCH = 3,    /* GPU only: queue it and return its Work, already watched by
+                          * the completion thread and publishing nothing when it ends
+                          * (its caller publishes: Work.publish) */
+} ddp_py_mode;
+
+/* The one submit path: c on pg, ended as mode says. Takes over everything c
+ * holds in every case. GPU arrays are checked against the device and c
+ * filled (c->fill) before anything is queued; the launch on a transport
+ * that may block (NCCL) runs with the GIL released and Ctrl-C watched. The
+ * Work (DDP_PY_SUBMIT, DDP_PY_WATCH), None, or NULL with an exception. A
+ * watched work's failure is the completion thread's to find: it breaks the
+ * transport (NCCL aborts the communicator at the work's deadline), so the
+ * next call fails with the reason. */
+PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, ddp_py_mode mode);
 
 /* submit's tail: import a and b (None: absent) into c, whose core kind, op,
  * root, timeout and stream are set, route it and submit it; the
@@ -87,17 +102,41 @@ PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- py_torch_thin.c ---- */
 
-/* torch_run(kind, tensors, opts, timeout_ms) -> None once a blocking call of
- * torch's (opts.asyncOp False) on one contiguous CPU torch tensor (tensors, a
- * list of one; None for BARRIER) has run through run(); for an asynchronous
- * one (opts.asyncOp True) the pyddp._C.Work of its submission, the tensor
- * held by the Work until the transport is done with it; NotImplemented, with
- * nothing sent, for anything the torch backend's Python path must handle;
- * NULL with an exception (a collective's failure as run() raises it, or a
- * refused submission as submit() raises it). The op comes from
- * opts.reduceOp (ALLREDUCE, REDUCE), the group root from opts.rootRank
- * (BROADCAST, REDUCE). */
+/* torch_run(kind, tensors, opts, timeout_ms[, work_type]) -> None once a
+ * blocking call of torch's (opts.asyncOp False) on one contiguous CPU torch
+ * tensor (tensors, a list of one; None for BARRIER) has run through run(),
+ * or on one CUDA tensor (py_torch_cuda.c) has been queued with the caller's
+ * stream ordered after it; for an asynchronous one (opts.asyncOp True) on a
+ * CPU tensor the pyddp._C.Work of its submission, the tensor held by the
+ * Work until the transport is done with it, and on a CUDA tensor a new
+ * work_type() holding that Work (NotImplemented without work_type);
+ * NotImplemented, with nothing sent, for anything the torch backend's
+ * Python path must handle; NULL with an exception (a collective's failure
+ * as run() raises it, or a refused submission as submit() raises it). The
+ * op comes from opts.reduceOp (ALLREDUCE, REDUCE), the group root from
+ * opts.rootRank (BROADCAST, REDUCE). */
 PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* ---- py_torch_cuda.c ---- */
+
+/* Read t into c when it is a non-empty contiguous CUDA tensor of the class
+ * _C.torch_cuda_config named, of a dtype the core has: its address, count,
+ * dtype and device (c->two[0], holding t), and the caller's current stream
+ * on that device (c->has_stream, c->stream); c's kind, op, root and timeout
+ * are the caller's. 1; 0 when it is not such a tensor (nothing held); -1
+ * with an exception set. */
+int ddp_py_torch_cuda_read(PyObject *t, ddp_py_call *c);
+
+/* Route c, read by ddp_py_torch_cuda_read, to the group's NCCL transport
+ * (attached on first use) and end it as mode says (ddp_py_pg_call). Takes
+ * over what c holds. */
+PyObject *ddp_py_torch_cuda_call(PGObject *self, ddp_py_call *c, ddp_py_mode mode);
+
+/* torch's asynchronous call: work_type() (a torch Work class) with its _cw
+ * set to the watched pyddp._C.Work of c (DDP_PY_WATCH) and its _result to
+ * tensors; NULL with an exception. Takes over what c holds. */
+PyObject *ddp_py_torch_cuda_work(PGObject *self, ddp_py_call *c, PyObject *work_type,
+                                 PyObject *tensors);
 
 /* ---- py_pg_vec.c ---- */
 PyObject *ddp_py_pg_alltoall(PGObject *self, PyObject *args);

@@ -1,11 +1,16 @@
 /* py_pg_submit.c - the one submit path of pyddp._C.ProcessGroup: every call
- * (submit, run, alltoall, p2p_batch) is routed to a transport by where its
- * arrays live and handed to ddp_py_pg_call, which checks GPU arrays against
- * the device, fills the core arguments, and then either runs the call to
- * the end (run(): inline on this thread where the transport takes it, else
- * queued and waited for) or submits it and returns a pyddp._C.Work. The
- * launch on a transport that may block (NCCL, waiting for peers) is here
- * once: GIL released, Python's signal handlers asked, Ctrl-C aborting it.
+ * (submit, run, torch_run, alltoall, p2p_batch) is routed to a transport by
+ * where its arrays live and handed to ddp_py_pg_call, which checks GPU
+ * arrays against the device, fills the core arguments, and then, by mode
+ * (ddp_py_mode, py_pg.h): runs the call to the end (run(): inline on this
+ * thread where the transport takes it, else queued and waited for, results
+ * published on the caller's CUDA stream), submits it and returns a
+ * pyddp._C.Work, or, for a GPU call that returns once queued as torch's NCCL
+ * does, orders the caller's stream after it at once and hands the work to
+ * the completion thread, which watches it to the end (timeouts, aborts) and
+ * then lets go of the arrays. The launch on a transport that may block
+ * (NCCL, waiting for peers) is here once: GIL released, Python's signal
+ * handlers asked, Ctrl-C aborting it.
  *
  * Whether a blocking call runs inline is the transport's decision, made in
  * one place (ddp_comm_queue.c's inline_fits for the CPU communicator, asked
@@ -70,25 +75,30 @@ static int prepare(ddp_pg pg, ddp_py_call *c) {
 /* Submit c->ca on pg. A transport that notifies only queues (never blocks),
  * so the GIL stays held; one whose launch may wait for peers (NCCL) runs
  * with the GIL released and Python's signal handlers asked through o->intr
- * (a handler's exception aborts the launch and is left in *sc). */
+ * (a handler's exception aborts the launch and is left in *sc). publish: a
+ * submitted GPU work orders c->stream after itself at once (in the same
+ * GIL-free stretch); its failure is left in *pub with the error message set. */
 static ddp_status launch(ddp_pg pg, const ddp_py_call *c, ddp_pg_opts *o, ddp_pg_work *work,
-                         ddp_py_sig_check *sc) {
+                         ddp_py_sig_check *sc, int publish, ddp_status *pub) {
+    *pub = DDP_OK;
     if (pg.ops->notifies) return ddp_pg_submit(pg, &c->ca, o, work);
     ddp_pg_interrupt intr = {ddp_py_check_signals, sc};
     o->intr = &intr;
     pg.ops->retain(pg.impl);   /* against a destroy() from another thread */
     sc->ts = PyEval_SaveThread();
     ddp_status st = ddp_pg_submit(pg, &c->ca, o, work);
+    if (st == DDP_OK && publish) *pub = pg.ops->work_publish(work->w, c->stream);
     PyEval_RestoreThread(sc->ts);
     pg.ops->release(pg.impl);
     return st;
 }
 
-/* The Work for a submitted c; takes over what c holds. */
-static PyObject *make_work(ddp_pg pg, ddp_pg_work work, ddp_py_call *c) {
+/* The Work for a submitted c; takes over what c holds. has_stream: whether
+ * it publishes its results on c->stream when it finishes. */
+static PyObject *make_work(ddp_pg pg, ddp_pg_work work, ddp_py_call *c, int has_stream) {
     if (c->arrs == NULL)
-        return ddp_py_work_new(pg, work, &c->two[0], &c->two[1], c->has_stream, c->stream);
-    PyObject *w = ddp_py_work_new_ex(pg, work, c->arrs, c->narrs, c->mem, c->has_stream,
+        return ddp_py_work_new(pg, work, &c->two[0], &c->two[1], has_stream, c->stream);
+    PyObject *w = ddp_py_work_new_ex(pg, work, c->arrs, c->narrs, c->mem, has_stream,
                                      c->stream);
     c->arrs = NULL;
     c->narrs = 0;
@@ -96,7 +106,22 @@ static PyObject *make_work(ddp_pg pg, ddp_pg_work work, ddp_py_call *c) {
     return w;
 }
 
-PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking) {
+/* A GPU work made for a call that does not wait for it (DDP_PY_ENQUEUE,
+ * DDP_PY_WATCH): a Work that does not publish when it finishes (the caller
+ * publishes), handed to the completion thread to watch. The Work (a new
+ * reference), or NULL with an exception (the work then waited for). */
+static PyObject *watched_work(ddp_pg pg, ddp_pg_work work, ddp_py_call *c) {
+    PyObject *w = make_work(pg, work, c, 0);
+    if (w != NULL && ddp_py_work_watch(w) < 0) Py_CLEAR(w);
+    return w;
+}
+
+PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, ddp_py_mode mode) {
+    int blocking = mode == DDP_PY_RUN, watched = mode == DDP_PY_ENQUEUE || mode == DDP_PY_WATCH;
+    if (watched && (!c->on_gpu || pg.ops->work_publish == NULL)) {
+        ddp_py_call_release(c);
+        return ddp_py_raise(DDP_ERR_INVALID, "only a GPU call can return before it finished");
+    }
     if (prepare(pg, c) < 0) {
         ddp_py_call_release(c);
         return NULL;
@@ -109,16 +134,18 @@ PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking) {
             Py_RETURN_NONE;
         }
     }
-    /* A blocking call is waited for here: nobody to notify. */
+    /* A blocking call is waited for here, a watched one polled: nobody to notify. */
     ddp_pg_opts o = {.timeout_ms = c->timeout_ms, .has_stream = c->has_stream,
-                     .stream = c->stream, .notify = blocking ? NULL : ddp_py_work_notify};
+                     .stream = c->stream,
+                     .notify = blocking || watched ? NULL : ddp_py_work_notify};
     ddp_py_sig_check sc = {NULL, NULL, NULL, NULL};
     ddp_pg_work work;
-    ddp_status st = launch(pg, c, &o, &work, &sc);
+    ddp_status pub;
+    ddp_status st = launch(pg, c, &o, &work, &sc, mode == DDP_PY_ENQUEUE && c->has_stream, &pub);
     if (sc.et != NULL) {
         /* Interrupted while launching: a Work waits for the aborted work and
          * then lets go of the arrays. */
-        if (st == DDP_OK) Py_XDECREF(make_work(pg, work, c));
+        if (st == DDP_OK) Py_XDECREF(make_work(pg, work, c, 0));
         ddp_py_call_release(c);
         PyErr_Restore(sc.et, sc.ev, sc.tb);
         return NULL;
@@ -127,9 +154,16 @@ PyObject *ddp_py_pg_call(ddp_pg pg, ddp_py_call *c, int blocking) {
         ddp_py_call_release(c);
         return ddp_py_raise(st, NULL);
     }
-    if (!blocking) return make_work(pg, work, c);
+    if (watched) {
+        PyObject *w = watched_work(pg, work, c);
+        if (w == NULL || mode == DDP_PY_WATCH) return w;
+        Py_DECREF(w);   /* the completion thread holds it until the work ends */
+        if (pub != DDP_OK) return ddp_py_raise(pub, NULL);
+        Py_RETURN_NONE;
+    }
+    if (!blocking) return make_work(pg, work, c, c->has_stream);
     pg.ops->retain(pg.impl);   /* for the abort on Ctrl-C, against a concurrent destroy() */
-    int rc = ddp_py_work_run(pg, work);
+    int rc = ddp_py_work_run(pg, work, c->has_stream, c->stream);
     pg.ops->release(pg.impl);
     ddp_py_call_release(c);    /* the transport is done with the arrays in every case */
     if (rc < 0) return NULL;
@@ -164,21 +198,24 @@ PyObject *ddp_py_pg_submit_call(PGObject *self, ddp_py_call *c, PyObject *ao, Py
         ddp_py_call_release(c);
         return NULL;
     }
-    return ddp_py_pg_call(pg, c, 0);
+    return ddp_py_pg_call(pg, c, DDP_PY_SUBMIT);
 }
 
 /* run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: the lean path
  * of a blocking single-buffer collective (ALLREDUCE, BROADCAST, REDUCE,
- * BARRIER) on host memory: run and wait in one call, no Work object. `a`
- * is a contiguous host array, None (BARRIER), or, with count and dtype
- * (ddp_dtype codes, DT_*), the address of `count` elements that the caller
- * keeps alive and unchanged in size for the call (a CPU torch tensor's
- * data_ptr()). A small one runs inline on this thread when the transport
- * takes it; otherwise the work goes through the same queue as submit and the
- * wait through ddp_py_wait. Either way it runs after anything queued before
- * it, the header exchange, flight record and timeouts are unchanged, and
- * Ctrl-C aborts the group and raises. Returns NotImplemented for a GPU array
- * (use submit). */
+ * BARRIER): run and wait in one call, no Work object. `a` is a contiguous
+ * host array, None (BARRIER), or, with count and dtype (ddp_dtype codes,
+ * DT_*), the address of `count` elements that the caller keeps alive and
+ * unchanged in size for the call (a CPU torch tensor's data_ptr()); or a
+ * CUDA torch tensor that py_torch_cuda.c takes, which goes to NCCL, is
+ * waited for on the host and then published on the caller's current
+ * stream. A small host one runs inline on this thread when the transport
+ * takes it; otherwise the work goes through the same queue as submit and
+ * the wait through ddp_py_wait. Either way it runs after anything queued
+ * before it, the header exchange, flight record and timeouts are
+ * unchanged, and Ctrl-C aborts the group and raises. Returns
+ * NotImplemented, with nothing sent, for any other GPU array (use
+ * submit). */
 PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 && nargs != 7)
         return ddp_py_raise(DDP_ERR_INVALID, "run(kind, a, op, root, timeout_ms[, count, "
@@ -200,6 +237,11 @@ PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
     c.ca.op = (ddp_redop)op;
     c.ca.root = (int)root;
     c.timeout_ms = timeout_ms;
+    if (nargs == 5 && args[1] != Py_None) {   /* a CUDA torch tensor: its lean path */
+        int rc = ddp_py_torch_cuda_read(args[1], &c);
+        if (rc < 0) return NULL;
+        if (rc == 1) return ddp_py_torch_cuda_call(self, &c, DDP_PY_RUN);
+    }
     int rc = ddp_py_call_run_buffer(&c, args, nargs);
     if (rc < 0) return NULL;
     if (rc == 1) Py_RETURN_NOTIMPLEMENTED;
@@ -208,5 +250,5 @@ PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
         ddp_py_call_release(&c);
         return NULL;
     }
-    return ddp_py_pg_call(pg, &c, 1);
+    return ddp_py_pg_call(pg, &c, DDP_PY_RUN);
 }

@@ -89,7 +89,7 @@ PyObject *ddp_py_pg_alltoall(PGObject *self, PyObject *args) {
     c.ca.sdispls = mem + size;
     c.ca.rcounts = mem + 2 * size;
     c.ca.rdispls = mem + 3 * size;
-    return ddp_py_pg_call(pg, &c, 0);
+    return ddp_py_pg_call(pg, &c, DDP_PY_SUBMIT);
 }
 
 PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
@@ -140,5 +140,5 @@ PyObject *ddp_py_pg_p2p_batch(PGObject *self, PyObject *args) {
     c.ca.kind = DDP_COLL_P2P_BATCH;
     c.ca.nops = (int)n;
     c.ca.ops = ops;
-    return ddp_py_pg_call(pg, &c, 0);
+    return ddp_py_pg_call(pg, &c, DDP_PY_SUBMIT);
 }

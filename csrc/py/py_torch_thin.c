@@ -1,20 +1,23 @@
-/* py_torch_thin.c - the torch backend's blocking thin path in one C call,
- * and the one C test for a contiguous CPU torch tensor.
+/* py_torch_thin.c - the torch backend's thin path in one C call, and the one
+ * C test for a contiguous torch tensor.
  *
- * ProcessGroup.torch_run(kind, tensors, opts, timeout_ms) is what
- * pyddp/torch_backend/_pg.py's allreduce, broadcast, reduce and barrier call first:
+ * ProcessGroup.torch_run(kind, tensors, opts, timeout_ms[, work_type]) is
+ * what pyddp/torch_backend/_pg.py's allreduce, broadcast, reduce and barrier
+ * call first:
  * it reads torch's options (asyncOp, reduceOp, rootRank) and the one tensor's
  * facts (class, dtype, device, layout, contiguity, size, address) here in C
  * instead of in Python, and runs a blocking collective through
  * ProcessGroup.run (ddp_py_pg_run: the same queue, inline rule, timeouts and
  * flight record as the lean path), or submits an asynchronous one (torch
  * DDP's bucket all-reduce) as ProcessGroup.submit does and returns its
- * pyddp._C.Work for the caller to wrap in torch's Work. Anything it does not
+ * pyddp._C.Work for the caller to wrap in torch's Work. One CUDA tensor
+ * goes to py_torch_cuda.c's lean GPU path instead. Anything it does not
  * take returns NotImplemented with nothing sent, and the caller goes on with
- * its Python path: a list of other than one tensor, a tensor that is not an exact
- * contiguous non-empty CPU torch.Tensor of a dtype the core has, a reduce op
- * other than SUM, AVG, PRODUCT, MIN and MAX (PREMUL_SUM, the bitwise ops),
- * or a torch whose ReduceOp hash was not proven to name the op.
+ * its Python path: a list of other than one tensor, a tensor that is not an
+ * exact contiguous non-empty CPU (or, there, CUDA) torch.Tensor of a dtype
+ * the core has, a reduce op other than SUM, AVG, PRODUCT, MIN and MAX
+ * (PREMUL_SUM, the bitwise ops), or a torch whose ReduceOp hash was not
+ * proven to name the op.
  *
  * torch is never imported: torch_backend/_pg.py hands its classes over once through
  * _C.torch_thin_config (torch.Tensor, torch.strided, dtype -> DT_* code, and
@@ -31,11 +34,11 @@
 static PyObject *t_tensor, *t_strided, *t_dtypes;   /* torch_thin_config's, owned */
 static int ops_by_hash[THIN_OPS];                   /* hash(ReduceOp) -> op, -1: none */
 static int ops_known;                               /* ops_by_hash was filled */
-static PyObject *s_dtype, *s_layout, *s_is_cpu, *s_is_contiguous, *s_data_ptr, *s_numel,
-    *s_asyncOp, *s_reduceOp, *s_rootRank;
+static PyObject *s_dtype, *s_layout, *s_is_cpu, *s_is_cuda, *s_is_contiguous, *s_data_ptr,
+    *s_numel, *s_asyncOp, *s_reduceOp, *s_rootRank;
 
-int ddp_py_torch_cpu_tensor(PyObject *tensor_type, PyObject *strided, PyObject *dtypes,
-                            PyObject *t, void **ptr, size_t *count, int *code) {
+int ddp_py_torch_tensor(PyObject *tensor_type, PyObject *strided, PyObject *dtypes,
+                        PyObject *t, int cuda, void **ptr, size_t *count, int *code) {
     if (tensor_type == NULL || dtypes == NULL || (PyObject *)Py_TYPE(t) != tensor_type)
         return 0;
     PyObject *v = PyObject_GetAttr(t, s_dtype);
@@ -45,7 +48,7 @@ int ddp_py_torch_cpu_tensor(PyObject *tensor_type, PyObject *strided, PyObject *
     if (c == NULL) return PyErr_Occurred() ? -1 : 0;
     *code = (int)PyLong_AsLong(c);
     if (*code == -1 && PyErr_Occurred()) return -1;
-    if ((v = PyObject_GetAttr(t, s_is_cpu)) == NULL) return -1;
+    if ((v = PyObject_GetAttr(t, cuda ? s_is_cuda : s_is_cpu)) == NULL) return -1;
     int ok = v == Py_True;
     Py_DECREF(v);
     if (!ok) return 0;
@@ -67,6 +70,11 @@ int ddp_py_torch_cpu_tensor(PyObject *tensor_type, PyObject *strided, PyObject *
     if (PyErr_Occurred()) return -1;
     *count = (size_t)n;
     return 1;
+}
+
+int ddp_py_torch_cpu_tensor(PyObject *tensor_type, PyObject *strided, PyObject *dtypes,
+                            PyObject *t, void **ptr, size_t *count, int *code) {
+    return ddp_py_torch_tensor(tensor_type, strided, dtypes, t, 0, ptr, count, code);
 }
 
 /* torch_thin_config(tensor_type, strided, dtypes, ops): ops is None or a dict
@@ -122,6 +130,17 @@ static int reduce_op(PyObject *opts, long *op) {
     return 1;
 }
 
+/* c zeroed, then kind, op, root and the timeout (tmo, a Python int) set; 0,
+ * or -1 with an exception. */
+static int call_init(ddp_py_call *c, long kind, long op, long root, PyObject *tmo) {
+    memset(c, 0, sizeof *c);
+    c->ca.kind = (ddp_coll_kind)kind;
+    c->ca.op = (ddp_redop)op;
+    c->ca.root = (int)root;
+    c->timeout_ms = PyLong_AsLongLong(tmo);
+    return c->timeout_ms == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* An asynchronous call of kind on tensor t (NULL for BARRIER) at ptr, count
  * elements of dtype code: submitted as ProcessGroup.submit does, t held as an
  * (owner, address, count, dtype) buffer by the Work; the pyddp._C.Work, or
@@ -129,12 +148,7 @@ static int reduce_op(PyObject *opts, long *op) {
 static PyObject *submit_async(PGObject *self, long kind, long op, long root, PyObject *tmo,
                               PyObject *t, void *ptr, size_t count, int code) {
     ddp_py_call c;
-    memset(&c, 0, sizeof c);
-    c.ca.kind = (ddp_coll_kind)kind;
-    c.ca.op = (ddp_redop)op;
-    c.ca.root = (int)root;
-    c.timeout_ms = PyLong_AsLongLong(tmo);
-    if (c.timeout_ms == -1 && PyErr_Occurred()) return NULL;
+    if (call_init(&c, kind, op, root, tmo) < 0) return NULL;
     PyObject *buf = Py_NewRef(Py_None);
     if (t != NULL) {
         Py_DECREF(buf);
@@ -146,10 +160,27 @@ static PyObject *submit_async(PGObject *self, long kind, long op, long root, PyO
     return w;
 }
 
+/* torch's call on one CUDA tensor t (py_torch_cuda.c): None once a blocking
+ * one is queued, a work_type() for an asynchronous one; NotImplemented when
+ * t is not one the lean path takes (or an asynchronous call has no
+ * work_type). */
+static PyObject *torch_cuda(PGObject *self, long kind, long op, long root, PyObject *tmo,
+                            PyObject *tensors, int blocking, PyObject *work_type) {
+    ddp_py_call c;
+    if (call_init(&c, kind, op, root, tmo) < 0) return NULL;
+    if (!blocking && work_type == NULL) Py_RETURN_NOTIMPLEMENTED;
+    int rc = ddp_py_torch_cuda_read(PyList_GET_ITEM(tensors, 0), &c);
+    if (rc <= 0) return rc < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    if (blocking) return ddp_py_torch_cuda_call(self, &c, DDP_PY_ENQUEUE);
+    return ddp_py_torch_cuda_work(self, &c, work_type, tensors);
+}
+
 PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4)
-        return ddp_py_raise(DDP_ERR_INVALID, "torch_run(kind, tensors, opts, timeout_ms)");
+    if (nargs != 4 && nargs != 5)
+        return ddp_py_raise(DDP_ERR_INVALID, "torch_run(kind, tensors, opts, timeout_ms"
+                            "[, work_type])");
     PyObject *tensors = args[1], *opts = args[2];
+    PyObject *work_type = nargs == 5 && args[4] != Py_None ? args[4] : NULL;
     long kind = PyLong_AsLong(args[0]);
     if (kind == -1 && PyErr_Occurred()) return NULL;
     if (opts == Py_None || self->cpu.ops == NULL) Py_RETURN_NOTIMPLEMENTED;
@@ -176,7 +207,9 @@ PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t 
         int rc = ddp_py_torch_cpu_tensor(t_tensor, t_strided, t_dtypes,
                                          PyList_GET_ITEM(tensors, 0), &ptr, &count, &code);
         if (rc < 0) return NULL;
-        if (rc == 0 || count == 0) Py_RETURN_NOTIMPLEMENTED;
+        if (rc == 0)
+            return torch_cuda(self, kind, op, root, args[3], tensors, blocking, work_type);
+        if (count == 0) Py_RETURN_NOTIMPLEMENTED;
     }
     if (!blocking)
         return submit_async(self, kind, op, root, args[3],
@@ -201,11 +234,11 @@ static PyMethodDef thin_functions[] = {
 };
 
 int ddp_py_torch_thin_register(PyObject *m) {
-    static PyObject **names[] = {&s_dtype, &s_layout, &s_is_cpu, &s_is_contiguous,
-                                 &s_data_ptr, &s_numel, &s_asyncOp, &s_reduceOp,
-                                 &s_rootRank};
-    static const char *text[] = {"dtype", "layout", "is_cpu", "is_contiguous", "data_ptr",
-                                 "numel", "asyncOp", "reduceOp", "rootRank"};
+    static PyObject **names[] = {&s_dtype, &s_layout, &s_is_cpu, &s_is_cuda,
+                                 &s_is_contiguous, &s_data_ptr, &s_numel, &s_asyncOp,
+                                 &s_reduceOp, &s_rootRank};
+    static const char *text[] = {"dtype", "layout", "is_cpu", "is_cuda", "is_contiguous",
+                                 "data_ptr", "numel", "asyncOp", "reduceOp", "rootRank"};
     for (size_t k = 0; k < sizeof names / sizeof *names; k++)
         if (*names[k] == NULL && (*names[k] = PyUnicode_InternFromString(text[k])) == NULL)
             return -1;

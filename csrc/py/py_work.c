@@ -1,6 +1,6 @@
 /* py_work.c - pyddp._C.Work, the one handle for a collective in flight on
- * any transport (ddp_pg.h), and the completion thread that runs its
- * callbacks.
+ * any transport (ddp_pg.h). The completion thread that runs its callbacks
+ * and watches the works nobody waits for is py_completion.c.
  *
  * A Work holds: the core work (a reference), a reference on the
  * communicator that runs it (so abort on Ctrl-C and the final status never
@@ -10,32 +10,23 @@
  *   wait(timeout_ms=-1) -> True, or raises the collective's error. Waits
  *       through ddp_py_wait: GIL released, signal handlers every 100 ms,
  *       Ctrl-C aborts the group and raises.
+ *   publish(stream) -> True: for a GPU work, torch's wait(): the CUDA stream
+ *       waits for the results on the device, the host does not wait; raises
+ *       the collective's error if it is already known.
  *   is_completed(), exception()
  *   add_done_callback(fn): fn(work) once the work finished, on the
  *       completion thread (with the GIL), or at once if already finished.
  *
  * A Work dropped unfinished waits for its collective in dealloc through the
  * same loop; a Ctrl-C there aborts the group, waits for the transport to let
- * go of the arrays, and re-delivers the interrupt to the main thread.
- *
- * The completion thread: one per process, started by the first
- * add_done_callback. It keeps the Works that have callbacks, is woken by the
- * CPU worker's notify hook (ddp_py_work_notify) and polls every millisecond
- * while a work of a transport that cannot notify (NCCL) is pending. At
- * interpreter exit, before finalization, completion_park() (pyddp/_exit.py)
- * parks it for good outside Python: a thread that takes the GIL back once
- * finalization has begun is stopped by Python with pthread_exit, and if it
- * was inside a callback running C++ (torch's futures) the unwinding through
- * noexcept frames aborts the process.
+ * go of the arrays, and re-delivers the interrupt to the main thread. A
+ * watched Work (ddp_py_work_watch) is never dropped unfinished: the
+ * completion thread holds it until it ends.
  */
 #include "py_work.h"
 
-#include <errno.h>
-#include <pthread.h>
-#include <signal.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #define DRAIN_GRACE_MS 5000
 
@@ -52,6 +43,7 @@ typedef struct {
     ddp_status status;
     PyObject *error;       /* message (str) or NULL */
     PyObject *callbacks;   /* list of callables, or NULL */
+    int queued;            /* the completion thread holds it (callbacks, or watched) */
 } WorkObject;
 
 static PyTypeObject *WorkType;
@@ -71,8 +63,9 @@ static void release_arrays(WorkObject *w) {
 
 /* Record the outcome, publish results on the caller's stream, and let go of
  * the arrays once the transport is done with them. Requires the work done.
- * The GIL is released in the middle (the transport's last wait, a device's
- * drain), so another thread can arrive meanwhile: `finished` is FIN_BUSY
+ * The GIL is released in the middle when something may block (a publish, a
+ * device's drain after a failure), so another thread can arrive meanwhile:
+ * `finished` is FIN_BUSY
  * until status and error are recorded, and such a thread waits for FIN_DONE
  * instead of reading a status not written yet (which would read as success). */
 static void work_finish(WorkObject *w) {
@@ -95,17 +88,24 @@ static void work_finish(WorkObject *w) {
     char msg[2048] = "";
     int drained = 1;
     if (cw.w) {
-        Py_BEGIN_ALLOW_THREADS
-        st = cw.ops->work_wait(cw.w, ddp_wait_for(0, NULL));
-        if (st != DDP_OK) {
-            snprintf(msg, sizeof msg, "%s", cw.ops->work_error(cw.w));
-            if (cw.ops->work_drained) drained = cw.ops->work_drained(cw.w, DRAIN_GRACE_MS);
-        } else if (w->has_stream && cw.ops->work_publish) {
-            st = cw.ops->work_publish(cw.w, w->stream);
-            if (st != DDP_OK) ddp_copy_error(msg, sizeof msg);
+        st = cw.ops->work_wait(cw.w, ddp_wait_for(0, NULL));   /* done: returns at once */
+        if (st == DDP_OK && !(w->has_stream && cw.ops->work_publish)) {
+            /* Nothing here can block: keep the GIL (the completion thread finishes
+             * many works per sweep, and handing the GIL back and forth for each
+             * would stall whoever else runs Python). */
+            cw.ops->work_release(cw.w);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            if (st != DDP_OK) {
+                snprintf(msg, sizeof msg, "%s", cw.ops->work_error(cw.w));
+                if (cw.ops->work_drained) drained = cw.ops->work_drained(cw.w, DRAIN_GRACE_MS);
+            } else {
+                st = cw.ops->work_publish(cw.w, w->stream);
+                if (st != DDP_OK) ddp_copy_error(msg, sizeof msg);
+            }
+            cw.ops->work_release(cw.w);
+            Py_END_ALLOW_THREADS
         }
-        cw.ops->work_release(cw.w);
-        Py_END_ALLOW_THREADS
     }
     w->status = st;
     if (st != DDP_OK) w->error = PyUnicode_FromString(msg);
@@ -150,10 +150,11 @@ static int work_block(WorkObject *w, int64_t timeout_ms) {
 /* The lean call path (ProcessGroup.run): wait for a just-submitted work
  * through the same loop as Work.wait (GIL released, signal handlers every
  * 100 ms, Ctrl-C aborts the group and waits until the transport let go of
- * the buffers), then drop the work. 0 on success; -1 with the collective's
- * error or the signal handler's exception set. Takes over the caller's
- * reference on work in every case. */
-int ddp_py_work_run(ddp_pg pg, ddp_pg_work work) {
+ * the buffers), publish a GPU work's results on the caller's stream, then
+ * drop the work. 0 on success; -1 with the collective's error or the signal
+ * handler's exception set. Takes over the caller's reference on work in
+ * every case. */
+int ddp_py_work_run(ddp_pg pg, ddp_pg_work work, int has_stream, uintptr_t stream) {
     wait_ctx c = {pg, work};
     int rc = ddp_py_wait(wait_slice, &c, -1, wait_on_signal);
     ddp_status st = DDP_OK;
@@ -161,6 +162,10 @@ int ddp_py_work_run(ddp_pg pg, ddp_pg_work work) {
     if (rc == 0) {
         st = work.ops->work_wait(work.w, ddp_wait_for(0, NULL));   /* done: no blocking */
         if (st != DDP_OK) snprintf(msg, sizeof msg, "%s", work.ops->work_error(work.w));
+        else if (has_stream && work.ops->work_publish) {
+            st = work.ops->work_publish(work.w, stream);
+            if (st != DDP_OK) ddp_copy_error(msg, sizeof msg);
+        }
     }
     work.ops->work_release(work.w);
     if (rc != 0) return -1;   /* the handler's exception (no timeout with -1) */
@@ -174,26 +179,6 @@ int ddp_py_work_run(ddp_pg pg, ddp_pg_work work) {
 static PyObject *work_raise(WorkObject *w) {
     if (w->status == DDP_OK) Py_RETURN_TRUE;
     return ddp_py_raise(w->status, w->error ? PyUnicode_AsUTF8(w->error) : NULL);
-}
-
-/* ---- completion thread ----------------------------------------------- */
-
-static pthread_mutex_t cmu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t ccv = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t parked_cv = PTHREAD_COND_INITIALIZER;  /* parked was set */
-static int kicked;
-static int started;
-static int parking, parked;   /* completion_park() asked / the thread is parked (cmu) */
-static pid_t started_in;      /* the process that started it (not a forked child) */
-static PyObject *pending;  /* list of Works with callbacks (GIL) */
-
-void ddp_py_work_notify(void *ctx) {
-    (void)ctx;
-    if (!started) return;
-    pthread_mutex_lock(&cmu);
-    kicked = 1;
-    pthread_cond_signal(&ccv);
-    pthread_mutex_unlock(&cmu);
 }
 
 /* Call w's callbacks once (GIL held); their errors are reported, not raised. */
@@ -213,82 +198,27 @@ static int core_done(WorkObject *w) {
     return w->finished || w->work.w == NULL || w->work.ops->work_done(w->work.w);
 }
 
-/* Finish and call back every pending work that is done; returns whether a
- * still-pending work must be polled. GIL held. */
-static int sweep(void) {
-    int poll = 0;
-    Py_ssize_t i = 0;
-    while (i < PyList_GET_SIZE(pending)) {
-        WorkObject *w = (WorkObject *)PyList_GET_ITEM(pending, i);
-        if (!core_done(w)) {
-            if (!w->work.ops->notifies) poll = 1;
-            i++;
-            continue;
-        }
-        Py_INCREF(w);
-        PyList_SetSlice(pending, i, i + 1, NULL);
-        work_finish(w);
-        run_callbacks(w);
-        Py_DECREF(w);
-    }
-    return poll;
+/* ---- what the completion thread asks (py_work.h) -------------------- */
+
+void ddp_py_work_kind(PyObject *o, void **impl, int *polled) {
+    WorkObject *w = (WorkObject *)o;
+    *impl = w->pg.impl;
+    *polled = !w->finished && w->work.w != NULL && !w->work.ops->notifies;
 }
 
-static void *completer_main(void *unused) {
-    (void)unused;
-    PyGILState_STATE gs = PyGILState_Ensure();
-    for (;;) {
-        int poll = sweep();
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&cmu);
-        if (!kicked) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            long ns = poll ? 1000000L : 200000000L;
-            ts.tv_nsec += ns;
-            ts.tv_sec += ts.tv_nsec / 1000000000L;
-            ts.tv_nsec %= 1000000000L;
-            pthread_cond_timedwait(&ccv, &cmu, &ts);
-        }
-        kicked = 0;
-        if (parking) {    /* for good: the process is exiting */
-            parked = 1;
-            pthread_cond_broadcast(&parked_cv);
-            for (;;) pthread_cond_wait(&ccv, &cmu);
-        }
-        pthread_mutex_unlock(&cmu);
-        Py_END_ALLOW_THREADS
-    }
-    PyGILState_Release(gs);
-    return NULL;
-}
+int ddp_py_work_done(PyObject *o) { return core_done((WorkObject *)o); }
 
-static int completer_start(void) {
-    if (started) return 0;
-    pending = PyList_New(0);
-    if (pending == NULL) return -1;
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    pthread_t t;
-    int rc = pthread_create(&t, &at, completer_main, NULL);
-    pthread_attr_destroy(&at);
-    if (rc != 0) {
-        Py_CLEAR(pending);
-        ddp_py_raise(DDP_ERR_SYS, "could not start pyddp's completion thread");
-        return -1;
-    }
-    started = 1;
-    started_in = getpid();
-    return 0;
+void ddp_py_work_complete(PyObject *o) {
+    WorkObject *w = (WorkObject *)o;
+    w->queued = 0;
+    work_finish(w);
+    run_callbacks(w);
 }
 
 /* ---- methods ---------------------------------------------------------- */
 
-static PyObject *work_wait(WorkObject *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"timeout_ms", NULL};
-    long long timeout_ms = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|L", kwlist, &timeout_ms)) return NULL;
+/* wait(): block up to timeout_ms (-1: no limit), then True or the error. */
+static PyObject *wait_for(WorkObject *w, long long timeout_ms) {
     int rc = work_block(w, timeout_ms);
     if (rc == 1)
         return ddp_py_raise(DDP_ERR_TIMEOUT, "Work.wait(timeout) expired before the "
@@ -302,6 +232,13 @@ static PyObject *work_wait(WorkObject *w, PyObject *args, PyObject *kw) {
     }
     work_finish(w);   /* no-op if another thread got there first */
     return work_raise(w);
+}
+
+static PyObject *work_wait(WorkObject *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"timeout_ms", NULL};
+    long long timeout_ms = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|L", kwlist, &timeout_ms)) return NULL;
+    return wait_for(w, timeout_ms);
 }
 
 static PyObject *work_is_completed(WorkObject *w, PyObject *unused) {
@@ -338,25 +275,59 @@ static PyObject *work_add_done_callback(WorkObject *w, PyObject *fn) {
         Py_DECREF(r);
         Py_RETURN_NONE;
     }
-    if (completer_start() < 0) return NULL;
-    if (w->callbacks == NULL) {
-        if ((w->callbacks = PyList_New(0)) == NULL) return NULL;
-        if (PyList_Append(pending, (PyObject *)w) < 0) {
-            Py_CLEAR(w->callbacks);
-            return NULL;
-        }
-    }
+    if (w->callbacks == NULL && (w->callbacks = PyList_New(0)) == NULL) return NULL;
     if (PyList_Append(w->callbacks, fn) < 0) return NULL;
+    if (w->queued) Py_RETURN_NONE;
     /* Kick the thread only when its next sweep would otherwise come late: the
-     * work is already done (its notify may have come before it was pending),
+     * work is already done (its notify may have come before it was queued),
      * or its transport cannot notify (the thread must start polling). A work
      * of a notifying transport, submitted with ddp_py_work_notify (every
      * Work is: py_pg_submit.c), that is not done yet kicks the thread itself
-     * when it ends, after `done` is set, and w is pending by then. Waking the
+     * when it ends, after `done` is set, and w is queued by then. Waking the
      * thread here for nothing cost the caller ~0.15 ms per call (the woken
      * thread preempts it and queues for the GIL it holds). */
-    if (core_done(w) || !w->work.ops->notifies) ddp_py_work_notify(NULL);
+    int polled = !w->work.ops->notifies;
+    if (ddp_py_completion_add((PyObject *)w, core_done(w), polled) < 0) {
+        Py_CLEAR(w->callbacks);
+        return NULL;
+    }
+    w->queued = 1;
     Py_RETURN_NONE;
+}
+
+int ddp_py_work_watch(PyObject *o) {
+    WorkObject *w = (WorkObject *)o;
+    if (w->queued) return 0;
+    if (ddp_py_completion_add(o, 0, 1) < 0) return -1;
+    w->queued = 1;
+    return 0;
+}
+
+/* publish(stream): see the header. A work already done is finished here (its
+ * results are then visible to every stream: the host saw the device finish);
+ * a pending GPU one orders stream after itself; a host transport's work, which
+ * cannot publish, is waited for as wait() does. */
+static PyObject *work_publish_m(WorkObject *w, PyObject *arg) {
+    uintptr_t stream = (uintptr_t)PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    if (!w->finished && w->work.w != NULL) {
+        ddp_pg_work cw = w->work;
+        if (cw.ops->work_publish == NULL) return wait_for(w, -1);
+        int done;
+        ddp_status st = DDP_OK;
+        cw.ops->work_retain(cw.w);   /* the completion thread may finish w meanwhile */
+        Py_BEGIN_ALLOW_THREADS
+        done = cw.ops->work_done(cw.w);
+        if (!done) st = cw.ops->work_publish(cw.w, stream);
+        Py_END_ALLOW_THREADS
+        cw.ops->work_release(cw.w);
+        if (!done) {
+            if (st != DDP_OK) return ddp_py_raise(st, NULL);
+            Py_RETURN_TRUE;
+        }
+    }
+    work_finish(w);   /* done: records the outcome (or waits for the thread that does) */
+    return work_raise(w);
 }
 
 static void work_dealloc(WorkObject *w) {
@@ -416,6 +387,7 @@ PyObject *ddp_py_work_new_ex(ddp_pg pg, ddp_pg_work work, ddp_py_array *arrs, in
     w->status = DDP_OK;
     w->error = NULL;
     w->callbacks = NULL;
+    w->queued = 0;
     return (PyObject *)w;
 }
 
@@ -443,6 +415,9 @@ static PyMethodDef work_methods[] = {
     {"exception", (PyCFunction)work_exception, METH_NOARGS, "the error, or None"},
     {"add_done_callback", (PyCFunction)work_add_done_callback, METH_O,
      "add_done_callback(fn): fn(work) once finished, from pyddp's completion thread"},
+    {"publish", (PyCFunction)work_publish_m, METH_O,
+     "publish(stream) -> True: a GPU work's results ordered before the CUDA stream's later "
+     "work, without waiting on the host; raises the collective's error if already known"},
     {NULL}
 };
 static PyType_Slot work_slots[] = {
@@ -454,43 +429,8 @@ static PyType_Slot work_slots[] = {
 static PyType_Spec work_spec = {"pyddp._C.Work", sizeof(WorkObject), 0, Py_TPFLAGS_DEFAULT,
                                 work_slots};
 
-/* completion_park(timeout_s) -> bool: park the completion thread outside
- * Python for the rest of the process (callbacks of works that finish later
- * never run); waits up to timeout_s (GIL released) for it to get there from
- * the callback it may be running. True once parked, or if it never started. */
-static PyObject *completion_park(PyObject *m, PyObject *arg) {
-    (void)m;
-    double timeout_s = PyFloat_AsDouble(arg);
-    if (timeout_s == -1.0 && PyErr_Occurred()) return NULL;
-    if (!started || started_in != getpid()) Py_RETURN_TRUE;   /* none in this process */
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    long long ns = (long long)(timeout_s * 1e9);
-    ts.tv_sec += (time_t)(ns / 1000000000LL);
-    ts.tv_nsec += (long)(ns % 1000000000LL);
-    ts.tv_sec += ts.tv_nsec / 1000000000L;
-    ts.tv_nsec %= 1000000000L;
-    pthread_mutex_lock(&cmu);
-    parking = kicked = 1;
-    pthread_cond_signal(&ccv);
-    while (!parked && pthread_cond_timedwait(&parked_cv, &cmu, &ts) != ETIMEDOUT) {}
-    ok = parked;
-    pthread_mutex_unlock(&cmu);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ok);
-}
-
-static PyMethodDef module_methods[] = {
-    {"completion_park", completion_park, METH_O,
-     "completion_park(timeout_s) -> bool: at exit, park the completion thread outside "
-     "Python for good (see py_work.c)"},
-    {NULL}
-};
-
 int ddp_py_work_register(PyObject *m) {
     WorkType = (PyTypeObject *)PyType_FromSpec(&work_spec);
     if (WorkType == NULL || PyModule_AddObjectRef(m, "Work", (PyObject *)WorkType) < 0) return -1;
-    return PyModule_AddFunctions(m, module_methods);
+    return ddp_py_completion_register(m);
 }

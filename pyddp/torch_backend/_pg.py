@@ -18,7 +18,9 @@ Two paths:
   through the lean path (a small one inline on this thread), and returns None, which
   torch takes as "the backend has synchronised"; an asynchronous one is submitted and
   gets a :class:`PyddpWork` whose future pyddp's completion thread completes
-  (``_work``);
+  (``_work``). The same C call takes one contiguous CUDA tensor to pyddp's NCCL path
+  with torch's "nccl" semantics (queued, the current stream ordered after it; the
+  torch Work made in C, its future only when asked: ``_cuda``);
 * the general path for everything else (several tensors, CUDA tensors, lists, odd
   layouts), through pyddp's own functions (``collectives``) with ``async_op=True``.
 
@@ -29,7 +31,8 @@ core as they are). torch's semantics kept here:
 * a call with ``asyncOp`` (every call from C++, and torch's ``async_op=True``) returns a
   torch ``Work`` over a ``torch.futures.Future`` whose value is the list of output
   tensors, completed by pyddp's own completion thread, never by a Python thread per
-  call;
+  call (on one CUDA tensor, as torch's "nccl" does: a future made when asked for,
+  completed at once with CUDA events that follow the collective, ``_cuda``);
 * errors raised while the collective runs reach the future (or, for a blocking call,
   the caller) as torch's DistError family (``_errors.torch_error``); arguments pyddp
   refuses raise at the call, before anything is sent;
@@ -45,10 +48,12 @@ from .. import collectives as C
 from .._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
 from ._ops import SUM as _SUM, flat as _flat, reduce_op as _reduce_op, \
     scaled as _scaled, thin_ops as _thin_ops, all_reduce_sparse
+from ._cuda import CudaWork as _CudaWork
 from ._work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
     future_for
 
 _PG = _C.ProcessGroup
+_CWork = _C.Work
 _torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 
 # ProcessGroup.torch_run: torch's blocking call on one CPU tensor read and run in C
@@ -181,23 +186,26 @@ class ProcessGroupPyddp(dist.ProcessGroup):
 
     def _in_c(self, kind, tensors, opts):
         """Offer torch's call of kind (_ALLREDUCE, _REDUCE, _BROADCAST, _BARRIER) to
-        ProcessGroup.torch_run, which takes a call on one CPU tensor in one C call: the
-        method's return value, None once a blocking call ran to the end, the torch Work
-        of a submitted asynchronous one; or NotImplemented: nothing was sent and the
-        method goes on with its Python path. A failure raises as torch's error, a
-        blocking collective's with the straggler report."""
+        ProcessGroup.torch_run, which takes a call on one CPU or CUDA tensor in one C
+        call: the method's return value, None once a blocking call ran to the end (on a
+        CUDA tensor: was queued, ``_cuda``), the torch Work of a submitted asynchronous
+        one; or NotImplemented: nothing was sent and the method goes on with its Python
+        path. A failure raises as torch's error, a blocking collective's with the
+        straggler report."""
         pg = self._handle._pg
         if type(pg) is not _PG:
             return NotImplemented
         try:
-            w = pg.torch_run(kind, tensors, opts, self._timeout_ms)
+            w = pg.torch_run(kind, tensors, opts, self._timeout_ms, _CudaWork)
         except Exception as e:
             if getattr(opts, "asyncOp", False):    # a refused submission
                 raise_as_torch(e)
             self._thin_failed(e)
-        if w is None or w is NotImplemented:
-            return w
-        return self._work_of(w, [] if tensors is None else list(tensors))
+        if type(w) is _CWork:
+            return self._work_of(w, [] if tensors is None else list(tensors))
+        if self._coalesced is not None and type(w) is _CudaWork:
+            self._coalesced.append(w.get_future())
+        return w
 
     def _work_of(self, w, result):
         """The torch Work of a submitted thin-path call: w its ``_C.Work``, result the

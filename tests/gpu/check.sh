@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# tests/gpu/check.sh - build pyddp and run its GPU tests on a machine with an NVIDIA GPU,
-# then print a summary. Finishes within 5 minutes on one GPU.
+# tests/gpu/check.sh - build pyddp, run its GPU tests on a machine with an NVIDIA GPU, then
+# the GPU benchmark (benchmarks/gpu.py: the cost per call and per DDP step beside torch's
+# "nccl"), and print a summary. Finishes within 8 minutes on one GPU.
 #
-#   tests/gpu/check.sh            # uses $PYTHON, else python3
+#   tests/gpu/check.sh               # uses $PYTHON, else python3
+#   tests/gpu/check.sh --no-bench    # the tests only (within 5 minutes)
 #
 # Needs: a CUDA driver, torch with CUDA, and NCCL (the nvidia-nccl-cu12/cu13 wheel that
 # torch installs is found automatically; PYDDP_NCCL_LIBRARY overrides). CuPy is used when
@@ -10,6 +12,8 @@
 set -u
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
+BENCH=1
+[ "${1:-}" = "--no-bench" ] && BENCH=0
 LOG=$(mktemp -t pyddp-gpu-check.XXXXXX)
 trap 'rm -f "$LOG"' EXIT
 START=$(date +%s)
@@ -62,8 +66,16 @@ timeout "$LEFT" "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_
     2>&1 | tee "$LOG"
 RC=${PIPESTATUS[0]}
 
+BRC=0
+if [ "$BENCH" -eq 1 ] && [ "$USABLE" -eq 0 ]; then
+    section "benchmark (benchmarks/gpu.py)"
+    timeout 200 "$PY" benchmarks/gpu.py 2>&1
+    BRC=$?
+fi
+
 section "summary"
 echo "elapsed: $(( $(date +%s) - START )) s"
+[ "$BENCH" -eq 1 ] && [ "$USABLE" -eq 0 ] && echo "benchmark: exit $BRC"
 grep -E "^SKIPPED" "$LOG" | sed 's/^/  /' | cut -c1-160
 LAST=$(grep -E "(passed|failed|error|skipped)" "$LOG" | tail -1)
 if [ "$RC" -eq 0 ] && [ "$USABLE" -ne 0 ]; then
