@@ -146,6 +146,7 @@ def test_pyddp_own_call_waits_then_publishes(fakes):
     call = _ordered([x for x in r["log"] if not x.startswith("cudaEventCreate")],
                     "ncclAllReduce", True)
     assert "count=6 type=7 op=2 " in call
+    assert r["view_error"] is None and r["view"] == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
 
 
 def test_pyddp_own_call_raises_its_timeout_at_the_call(fakes):

@@ -126,6 +126,11 @@ PyObject *ddp_py_pg_torch_run(PGObject *self, PyObject *const *args, Py_ssize_t 
  * are the caller's. 1; 0 when it is not such a tensor (nothing held); -1
  * with an exception set. */
 int ddp_py_torch_cuda_read(PyObject *t, ddp_py_call *c);
+/* Whether t is of the torch tensor class the lean path was configured with
+ * (torch_cuda_config): a tensor ddp_py_torch_cuda_read did not take (on the
+ * CPU, empty, non-contiguous, an unusual dtype) then belongs to the caller's
+ * general path. */
+int ddp_py_torch_cuda_class(PyObject *t);
 
 /* Route c, read by ddp_py_torch_cuda_read, to the group's NCCL transport
  * (attached on first use) and end it as mode says (ddp_py_pg_call). Takes

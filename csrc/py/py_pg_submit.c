@@ -241,6 +241,7 @@ PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs)
         int rc = ddp_py_torch_cuda_read(args[1], &c);
         if (rc < 0) return NULL;
         if (rc == 1) return ddp_py_torch_cuda_call(self, &c, DDP_PY_RUN);
+        if (ddp_py_torch_cuda_class(args[1])) Py_RETURN_NOTIMPLEMENTED;   /* not taken */
     }
     int rc = ddp_py_call_run_buffer(&c, args, nargs);
     if (rc < 0) return NULL;

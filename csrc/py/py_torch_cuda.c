@@ -55,6 +55,10 @@ static PyObject *cuda_type(PyObject *m, PyObject *unused) {
     return Py_NewRef(c_tensor ? c_tensor : Py_None);
 }
 
+int ddp_py_torch_cuda_class(PyObject *t) {
+    return c_tensor != NULL && (PyObject *)Py_TYPE(t) == c_tensor;
+}
+
 int ddp_py_torch_cuda_read(PyObject *t, ddp_py_call *c) {
     void *ptr;
     size_t count;

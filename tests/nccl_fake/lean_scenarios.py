@@ -274,6 +274,12 @@ def pyddp_api():
     err = error(lambda: pyddp.all_reduce(x, op=pyddp.ReduceOp.MAX))
     out = {"log": log_lines()[n0:], "error": err, "seconds": time.monotonic() - t0,
            "kept": x.tolist()}
+    if err is None:
+        # a CUDA tensor the lean path does not take (a non-contiguous view) goes to
+        # the general path, which stages it and copies the result back
+        view = tf.cuda(torch.arange(6.0).reshape(2, 3)).t()
+        out["view_error"] = error(lambda: pyddp.all_reduce(view))
+        out["view"] = view.tolist()
     return out
 
 
