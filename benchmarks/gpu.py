@@ -42,6 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)      # the checkout's pyddp (an in-place build), installed or not
 SIZES = (("4 KiB", 1024), ("64 MiB", 16 << 20))      # float32 elements
 
 
