@@ -259,14 +259,17 @@ def fake_worker(a):
             ("torch's API, backend \"pyddp\"", "sync"): lambda: dist.all_reduce(t),
             ("torch's API, backend \"pyddp\"", "async"):
                 lambda: dist.all_reduce(t, async_op=True),
-            ("pyddp's own API, \"nccl\"", "sync"): lambda: pyddp.all_reduce(t)}
+            ("pyddp's own API, \"nccl\"", "sync"): lambda: pyddp.all_reduce(t),
+            ("pyddp's own API, \"nccl\"", "async"):
+                lambda: pyddp.all_reduce(t, async_op=True)}
         got = timed(cases, a.calls, a.rounds, lambda: time.sleep(0.005))
         for (row, mode), s in got.items():
             rows[row][f"{label} {mode}"] = s
     t = tf.cuda(torch.ones(1024))
     calls = {"torch sync": ls.python_calls(lambda: dist.all_reduce(t)),
              "torch async": ls.python_calls(lambda: dist.all_reduce(t, async_op=True)),
-             "pyddp sync": ls.python_calls(lambda: pyddp.all_reduce(t))}
+             "pyddp sync": ls.python_calls(lambda: pyddp.all_reduce(t)),
+             "pyddp async": ls.python_calls(lambda: pyddp.all_reduce(t, async_op=True))}
     pyddp.destroy_process_group()
     dist.destroy_process_group()
     return {"per_call": rows, "python_calls": calls}

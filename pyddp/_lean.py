@@ -11,7 +11,7 @@ CUDA torch tensor, which C reads itself (csrc/py/py_torch_cuda.c: its device and
 current stream looked up once) and runs on NCCL, waited for and then published on the
 caller's stream: no DLPack capsule per call. Anything else (other GPU arrays,
 non-contiguous or unusual arrays, other process-group types) is left to the general
-path.
+path. With ``async_op`` such a CUDA tensor is submitted in C and its Work returned.
 """
 import sys
 
@@ -21,6 +21,7 @@ from . import _C
 from . import _arrays as A
 from . import _nccl_backend
 from ._errors import COLLECTIVE_FAILURES, raise_explained
+from ._work import Work
 
 _ndarray = np.ndarray
 _PG = _C.ProcessGroup
@@ -39,20 +40,35 @@ def _cuda_setup(x):
     return type(x) is _cuda_type()
 
 
-def run(g, kind, x, op, root):
-    """Run a blocking single-buffer collective of kind (COLL_*) on x through group g's
-    ProcessGroup.run and return True; False, with nothing sent, when x needs the
-    general path. root is a group rank. A failure raises pyddp's error with the
-    straggler report (``_errors.raise_explained``)."""
+NOT_TAKEN = object()     # run(): x needs the general path, nothing was sent
+
+
+def _submit(pg, g, kind, x, op, root):
+    """The asynchronous form for a CUDA torch tensor that C takes (ProcessGroup.run_async:
+    no DLPack capsule, the stream looked up once): its Work, or NOT_TAKEN."""
+    if not (type(x) is _cuda_type() or _cuda_setup(x)):
+        return NOT_TAKEN
+    w = pg.run_async(kind, x, op, root, int(g._timeout_s * 1000))
+    return NOT_TAKEN if w is NotImplemented else Work(w, None, g)
+
+
+def run(g, kind, x, op, root, async_op=False):
+    """Run a single-buffer collective of kind (COLL_*) on x through group g's
+    ProcessGroup.run (blocking: None once done) or, async_op, submit it
+    (ProcessGroup.run_async: its Work); NOT_TAKEN, with nothing sent, when x needs the
+    general path. root is a group rank. A failure of a blocking call raises pyddp's
+    error with the straggler report (``_errors.raise_explained``)."""
     pg = g._pg
     if pg is None or type(pg) is not _PG:
-        return False
+        return NOT_TAKEN
+    if async_op:
+        return _submit(pg, g, kind, x, op, root)
     timeout_ms = int(g._timeout_s * 1000)
     tp = type(x)
     try:
         if tp is _ndarray:
             if not x.flags.c_contiguous or x.dtype not in _DT:
-                return False
+                return NOT_TAKEN
             r = pg.run(kind, x, op, root, timeout_ms)
         elif x is None:
             r = pg.run(kind, None, op, root, timeout_ms)
@@ -61,14 +77,14 @@ def run(g, kind, x, op, root):
             if code is not None:
                 n = x.numel()
                 if not n:
-                    return False
+                    return NOT_TAKEN
                 r = pg.run(kind, x.data_ptr(), op, root, timeout_ms, n, code)
             elif tp is _cuda_type() or _cuda_setup(x):
                 r = pg.run(kind, x, op, root, timeout_ms)   # NotImplemented: not taken
             else:
-                return False
+                return NOT_TAKEN
     except COLLECTIVE_FAILURES as e:
         # The collective failed (the wait itself has no timeout): as Work.wait does,
         # say who had not arrived if a peer's timeout caused it.
         raise_explained(g, e)
-    return r is None
+    return None if r is None else NOT_TAKEN

@@ -80,8 +80,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce tensor across all ranks in place; every rank gets the result."""
     g = _resolve(group)
     opc = op if type(op) is ReduceOp else _op(op)
-    if not async_op and _lean.run(g, _C.COLL_ALLREDUCE, tensor, opc, 0):
-        return None
+    r = _lean.run(g, _C.COLL_ALLREDUCE, tensor, opc, 0, async_op)
+    if r is not _lean.NOT_TAKEN:
+        return r
     s = A.Staged(tensor)
     return _run(g, _C.COLL_ALLREDUCE, s.array, None, opc, 0, async_op, _finisher(s),
                 "all_reduce")
@@ -91,8 +92,9 @@ def broadcast(tensor, src=0, group=None, async_op=False):
     """Copy src's tensor into every rank's tensor."""
     g = _resolve(group)
     src = _rank_arg(g, src, "src")
-    if not async_op and _lean.run(g, _C.COLL_BROADCAST, tensor, 0, src):
-        return None
+    r = _lean.run(g, _C.COLL_BROADCAST, tensor, 0, src, async_op)
+    if r is not _lean.NOT_TAKEN:
+        return r
     s = A.Staged(tensor)
     return _run(g, _C.COLL_BROADCAST, s.array, None, 0, src, async_op, _finisher(s),
                 "broadcast")
@@ -103,8 +105,9 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False):
     g = _resolve(group)
     dst = _rank_arg(g, dst, "dst")
     opc = _op(op)
-    if not async_op and _lean.run(g, _C.COLL_REDUCE, tensor, opc, dst):
-        return None
+    r = _lean.run(g, _C.COLL_REDUCE, tensor, opc, dst, async_op)
+    if r is not _lean.NOT_TAKEN:
+        return r
     s = A.Staged(tensor)
     return _run(g, _C.COLL_REDUCE, s.array, None, opc, dst, async_op, _finisher(s), "reduce")
 
@@ -268,7 +271,7 @@ def irecv(tensor, src=None, group=None, tag=0):
 def barrier(group=None, async_op=False, device_ids=None):
     """Block until every rank of group reached the barrier."""
     g = _resolve(group)
-    if not async_op and _lean.run(g, _C.COLL_BARRIER, None, 0, 0):
+    if not async_op and _lean.run(g, _C.COLL_BARRIER, None, 0, 0) is None:
         return None
     return _run(g, _C.COLL_BARRIER, None, None, 0, 0, async_op, None, "barrier")
 

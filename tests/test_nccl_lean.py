@@ -146,6 +146,10 @@ def test_pyddp_own_call_waits_then_publishes(fakes):
     call = _ordered([x for x in r["log"] if not x.startswith("cudaEventCreate")],
                     "ncclAllReduce", True)
     assert "count=6 type=7 op=2 " in call
+    assert r["async_work"] == "Work"
+    call = _ordered([x for x in r["async_log"] if not x.startswith("cudaEventCreate")],
+                    "ncclAllReduce", True)
+    assert "count=6 type=7 op=2 " in call
     assert r["view_error"] is None and r["view"] == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
 
 
@@ -182,3 +186,8 @@ def test_python_calls_per_collective(fakes):
                                              "caller_stream" in k for k in py), py
     assert c == {"torch_cuda_type": 1, "ProcessGroup.run": 1}, c
     assert r["pyddp_sync"]["torch"] == {}, r["pyddp_sync"]
+    py, c = _frames(r, "pyddp_async")     # submitted in C, one pyddp Work made
+    assert sum(py.values()) <= 6 and not any("Staged" in k or "caller_stream" in k
+                                             for k in py), py
+    assert c == {"torch_cuda_type": 1, "ProcessGroup.run_async": 1}, c
+    assert r["pyddp_async"]["torch"] == {}, r["pyddp_async"]

@@ -271,6 +271,9 @@ static PyMethodDef pg_methods[] = {
     {"run", (PyCFunction)(void (*)(void))ddp_py_pg_run, METH_FASTCALL,
      "run(kind, a, op, root, timeout_ms[, count, dtype]) -> None: submit and wait (host "
      "memory, single-buffer collectives; NotImplemented for a GPU array)"},
+    {"run_async", (PyCFunction)(void (*)(void))ddp_py_pg_run_async, METH_FASTCALL,
+     "run_async(kind, a, op, root, timeout_ms) -> Work: a single-buffer collective on one "
+     "CUDA torch tensor, submitted (NotImplemented: take the general path)"},
     {"torch_run", (PyCFunction)(void (*)(void))ddp_py_pg_torch_run, METH_FASTCALL,
      "torch_run(kind, tensors, opts, timeout_ms) -> None or Work: torch's call on one CPU "
      "tensor, a blocking one run to the end, an asynchronous one submitted "

@@ -99,6 +99,7 @@ PyObject *ddp_py_pg_submit_call(PGObject *self, ddp_py_call *c, PyObject *a, PyO
 /* The methods submit(...) and run(...) (signatures in py_pg.c's header). */
 PyObject *ddp_py_pg_submit(PGObject *self, PyObject *args, PyObject *kw);
 PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *ddp_py_pg_run_async(PGObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* ---- py_torch_thin.c ---- */
 

@@ -216,27 +216,62 @@ PyObject *ddp_py_pg_submit_call(PGObject *self, ddp_py_call *c, PyObject *ao, Py
  * unchanged, and Ctrl-C aborts the group and raises. Returns
  * NotImplemented, with nothing sent, for any other GPU array (use
  * submit). */
+/* The arguments run() and run_async() share (kind, a, op, root, timeout_ms)
+ * into c: 0, or -1 with an exception (nothing held). */
+static int lean_args(PGObject *self, PyObject *const *args, ddp_py_call *c,
+                     const char *name) {
+    long kind = PyLong_AsLong(args[0]), op = PyLong_AsLong(args[2]),
+         root = PyLong_AsLong(args[3]);
+    long long timeout_ms = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return -1;
+    if (self->cpu.ops == NULL) {
+        ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
+        return -1;
+    }
+    /* the kinds of one buffer (an argument rule; whether the call runs inline is
+     * the transport's to say) */
+    if (kind != DDP_COLL_ALLREDUCE && kind != DDP_COLL_BROADCAST && kind != DDP_COLL_REDUCE &&
+        kind != DDP_COLL_BARRIER) {
+        char msg[80];
+        PyOS_snprintf(msg, sizeof msg, "%s() takes single-buffer collectives only", name);
+        ddp_py_raise(DDP_ERR_INVALID, msg);
+        return -1;
+    }
+    if (op < 0 || op >= DDP_REDOP_COUNT) {
+        ddp_py_raise(DDP_ERR_INVALID, "invalid reduce op");
+        return -1;
+    }
+    memset(c, 0, sizeof *c);
+    c->ca.kind = (ddp_coll_kind)kind;
+    c->ca.op = (ddp_redop)op;
+    c->ca.root = (int)root;
+    c->timeout_ms = timeout_ms;
+    return 0;
+}
+
+/* run_async(kind, a, op, root, timeout_ms) -> Work: pyddp's asynchronous call
+ * (async_op=True) on one CUDA torch tensor that py_torch_cuda.c takes, with
+ * its lean reading (no DLPack capsule, the caller's stream looked up once),
+ * submitted as submit() would (the Work orders the caller's stream after the
+ * collective when waited for). NotImplemented, with nothing sent, for any
+ * other array: the caller's general path takes it. */
+PyObject *ddp_py_pg_run_async(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5)
+        return ddp_py_raise(DDP_ERR_INVALID, "run_async(kind, a, op, root, timeout_ms)");
+    ddp_py_call c;
+    if (lean_args(self, args, &c, "run_async") < 0) return NULL;
+    int rc = args[1] == Py_None ? 0 : ddp_py_torch_cuda_read(args[1], &c);
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NOTIMPLEMENTED;
+    return ddp_py_torch_cuda_call(self, &c, DDP_PY_SUBMIT);
+}
+
 PyObject *ddp_py_pg_run(PGObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 && nargs != 7)
         return ddp_py_raise(DDP_ERR_INVALID, "run(kind, a, op, root, timeout_ms[, count, "
                             "dtype])");
-    long kind = PyLong_AsLong(args[0]), op = PyLong_AsLong(args[2]),
-         root = PyLong_AsLong(args[3]);
-    long long timeout_ms = PyLong_AsLongLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    if (self->cpu.ops == NULL) return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
-    /* run() has one buffer: the kinds of one buffer (an argument rule; whether
-     * the call runs inline is the transport's to say) */
-    if (kind != DDP_COLL_ALLREDUCE && kind != DDP_COLL_BROADCAST && kind != DDP_COLL_REDUCE &&
-        kind != DDP_COLL_BARRIER)
-        return ddp_py_raise(DDP_ERR_INVALID, "run() takes single-buffer collectives only");
-    if (op < 0 || op >= DDP_REDOP_COUNT) return ddp_py_raise(DDP_ERR_INVALID, "invalid reduce op");
     ddp_py_call c;
-    memset(&c, 0, sizeof c);
-    c.ca.kind = (ddp_coll_kind)kind;
-    c.ca.op = (ddp_redop)op;
-    c.ca.root = (int)root;
-    c.timeout_ms = timeout_ms;
+    if (lean_args(self, args, &c, "run") < 0) return NULL;
     if (nargs == 5 && args[1] != Py_None) {   /* a CUDA torch tensor: its lean path */
         int rc = ddp_py_torch_cuda_read(args[1], &c);
         if (rc < 0) return NULL;

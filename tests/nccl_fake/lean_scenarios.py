@@ -198,6 +198,11 @@ def counts():
     fn = lambda: pyddp.all_reduce(x)   # noqa: E731
     fn()
     out["pyddp_sync"] = python_calls(fn)
+    fn = lambda: keep.append(pyddp.all_reduce(x, async_op=True))   # noqa: E731
+    fn()
+    out["pyddp_async"] = python_calls(fn)
+    for w in keep:
+        w.wait()
     pyddp.destroy_process_group()
     return out
 
@@ -275,6 +280,13 @@ def pyddp_api():
     out = {"log": log_lines()[n0:], "error": err, "seconds": time.monotonic() - t0,
            "kept": x.tolist()}
     if err is None:
+        # the asynchronous call: submitted in C, its Work orders the caller's stream
+        # after the collective when waited for
+        n0 = len(log_lines())
+        w = pyddp.all_reduce(x, op=pyddp.ReduceOp.MAX, async_op=True)
+        out["async_work"] = type(w).__name__
+        w.wait()
+        out["async_log"] = log_lines()[n0:]
         # a CUDA tensor the lean path does not take (a non-contiguous view) goes to
         # the general path, which stages it and copies the result back
         view = tf.cuda(torch.arange(6.0).reshape(2, 3)).t()
