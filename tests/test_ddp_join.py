@@ -6,8 +6,9 @@ torch's DDP over gloo under torch's Join, the same on every rank; with
 divide_by_initial_world_size=False, no_sync accumulation, find_unused_parameters,
 BatchNorm buffers, gradient_as_bucket_view and the generic data path; at world sizes
 2 and 3. throw_on_early_termination=True raises on every rank with torch's messages
-and leaves the group usable; bad uses fail before communicating. The checks run inside
-tests/workers/ddp_join.py (one torchrun launch per world size)."""
+and leaves the group usable; bad uses fail before communicating. Without any
+torch.distributed group, model.join() gives the training computed alone. The checks run
+inside tests/workers/ddp_join.py (torchrun launches per world size)."""
 import pytest
 
 from launch import assert_cases_passed, torchrun
@@ -19,3 +20,9 @@ CASES = ["plain", "torch_join", "divide_false", "no_sync", "unused", "buffers", 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_join_matches_torch_ddp_over_gloo(ws):
     assert_cases_passed(torchrun("ddp_join.py", ws, timeout=300), ws, CASES)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_model_join_without_a_torch_group(ws):
+    res = torchrun("ddp_join.py", ws, args=["--pyddp-only"], timeout=180)
+    assert_cases_passed(res, ws, ["no_torch_group"])

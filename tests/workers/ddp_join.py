@@ -15,8 +15,10 @@ the generic data path, ``Join([model, ZeroRedundancyOptimizer])`` and torch's ow
 over the "pyddp" backend (its parameters against gloo's). ``throw`` checks that with
 ``throw_on_early_termination=True`` every rank raises once rank 0 runs out (as torch's
 does, same messages), and that the group works afterwards; ``errors`` that bad uses
-fail before any communication. Prints "PASS <config> rank=<r> ..." per configuration
-and rank; exits non-zero on the first failure. Usage: torchrun ... ddp_join.py [config ...]
+fail before any communication. With ``--pyddp-only`` no torch.distributed group is
+made: ``model.join()`` against the training computed alone. Prints "PASS <config>
+rank=<r> ..." per configuration and rank; exits non-zero on the first failure.
+Usage: torchrun ... ddp_join.py [config ... | --pyddp-only]
 """
 import copy
 import sys
@@ -206,7 +208,45 @@ def run_errors(rank):
     print(f"PASS errors rank={rank}", flush=True)
 
 
+def run_no_torch_group(rank):
+    """No torch.distributed group at all: model.join() runs on pyddp's group alone, and
+    the weights equal the training computed alone from rank 0's initial weights (at each
+    step the gradients of the ranks still training, divided by the world size); torch's
+    Join, which needs torch's default group, says to use model.join()."""
+    world = pyddp.get_world_size()
+    torch.manual_seed(1234 + rank)
+    our_model = Net()
+    ours = pyddp.DistributedDataParallel(our_model)
+    torch.manual_seed(1234)
+    ref_model = Net()
+    ref_opt = optimizer(ref_model, False)
+    for step in range(steps_of(world - 1)):
+        ref_opt.zero_grad()
+        for r in range(world):
+            if steps_of(r) > step:
+                x, y = batch(step, 0, r)
+                (F.cross_entropy(ref_model(x), y) / world).backward()
+        ref_opt.step()
+    train(ours, our_model, 1, _always, rank, lambda opt: ours.join(),
+          optimizer(our_model, False))
+    worst = states_agree("no_torch_group", ref_model, our_model)
+    same_everywhere(our_model, "no_torch_group")
+    try:
+        TorchJoin([ours])
+    except pyddp.DistValueError as e:
+        assert "model.join()" in str(e) and "not initialized" in str(e), str(e)
+    else:
+        raise AssertionError("torch's Join without torch's group was accepted")
+    print(f"PASS no_torch_group rank={rank} max_rel_diff={worst:.3g}", flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["--pyddp-only"]:
+        pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
+        run_no_torch_group(pyddp.get_rank())
+        assert not tdist.is_initialized()
+        pyddp.destroy_process_group()
+        return
     names = sys.argv[1:] or list(CONFIGS) + ["torch_over_pyddp", "throw", "errors"]
     tdist.init_process_group("gloo")
     pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
