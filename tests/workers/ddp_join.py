@@ -11,8 +11,9 @@ initial weights, and checks:
 for ``model.join()`` (pyddp's Join, on pyddp's group), torch's ``Join([model])`` (its
 all-reduces on torch's gloo group), ``divide_by_initial_world_size=False``, ``no_sync``
 accumulation, ``find_unused_parameters``, BatchNorm buffers, ``gradient_as_bucket_view``,
-the generic data path, ``Join([model, ZeroRedundancyOptimizer])`` and torch's own DDP
-over the "pyddp" backend (its parameters against gloo's). ``throw`` checks that with
+the generic data path, ``static_graph``, ``Join([model, ZeroRedundancyOptimizer])`` and
+torch's own DDP over the "pyddp" backend (its parameters against gloo's); ``disabled``
+that ``enable=False`` does nothing. ``throw`` checks that with
 ``throw_on_early_termination=True`` every rank raises once rank 0 runs out (as torch's
 does, same messages), and that the group works afterwards; ``errors`` that bad uses
 fail before any communication. With ``--pyddp-only`` no torch.distributed group is
@@ -54,6 +55,7 @@ CONFIGS = {
     "generic": ({}, {"bucket_cap_mb": 0.002, "pyddp": {"_generic_path": True}},
                 {"divide_by_initial_world_size": False}, 1, _always, "model"),
     "zero": ({}, {}, {}, 1, _always, "zero"),
+    "static": ({}, {"static_graph": True}, {}, 1, _always, "model"),
 }
 
 
@@ -138,6 +140,26 @@ def run_torch_over_pyddp(rank, pyddp_group):
                        optimizer(our_model, False))
     worst = compare("torch_over_pyddp", rank, ref_model, our_model, ref_losses, our_losses)
     print(f"PASS torch_over_pyddp rank={rank} max_rel_diff={worst:.3g}", flush=True)
+
+
+def run_disabled(rank):
+    """enable=False (inputs even): the context does nothing, on either side, and the
+    result is torch's."""
+    torch.manual_seed(11 + rank)
+    base = Net()
+    ref_model, our_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = nn.parallel.DistributedDataParallel(ref_model)
+    ours = pyddp.DistributedDataParallel(our_model)
+    results = []
+    for ddp, model in ((ref, ref_model), (ours, our_model)):
+        opt, losses = optimizer(model, False), []
+        with ddp.join(enable=False):
+            assert not ddp._join_config.enable
+            for step in range(3):
+                train_step(ddp, opt, step, 1, _always, rank, losses)
+        results.append(losses)
+    worst = compare("disabled", rank, ref_model, our_model, results[0], results[1])
+    print(f"PASS disabled rank={rank} max_rel_diff={worst:.3g}", flush=True)
 
 
 def _raised(fn):
@@ -247,7 +269,8 @@ def main():
         assert not tdist.is_initialized()
         pyddp.destroy_process_group()
         return
-    names = sys.argv[1:] or list(CONFIGS) + ["torch_over_pyddp", "throw", "errors"]
+    names = sys.argv[1:] or list(CONFIGS) + ["torch_over_pyddp", "disabled", "throw",
+                                             "errors"]
     tdist.init_process_group("gloo")
     pyddp.init_process_group("cpu", timeout=timedelta(seconds=60))
     pyddp_group = tdist.new_group(backend="pyddp")
@@ -256,6 +279,8 @@ def main():
     for name in names:
         if name == "torch_over_pyddp":
             run_torch_over_pyddp(rank, pyddp_group)
+        elif name == "disabled":
+            run_disabled(rank)
         elif name == "throw":
             run_throw(rank)
         elif name == "errors":
