@@ -6,10 +6,10 @@ torch's DDP over gloo under torch's Join, the same on every rank; with
 divide_by_initial_world_size=False, no_sync accumulation, find_unused_parameters,
 BatchNorm buffers, gradient_as_bucket_view, the generic data path and static_graph; at
 world sizes 2 and 3; enable=False does nothing. throw_on_early_termination=True raises
-on every rank with torch's messages
-and leaves the group usable; bad uses fail before communicating. Without any
-torch.distributed group, model.join() gives the training computed alone. The checks run
-inside tests/workers/ddp_join.py (torchrun launches per world size)."""
+on every rank with torch's messages and leaves the group usable; bad uses fail before
+communicating. Without any torch.distributed group, model.join() gives the training
+computed alone. The checks run inside tests/workers/ddp_join.py (torchrun launches per
+world size)."""
 import pytest
 
 from launch import assert_cases_passed, torchrun
