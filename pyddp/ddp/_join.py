@@ -32,6 +32,7 @@ initial world size (``divide_by_initial_world_size=True``), else by the number o
 ranks still training (the notify's result), as torch does.
 """
 import collections
+import warnings
 
 import numpy as np
 
@@ -145,14 +146,14 @@ class Join:
             if self._enable and etype is None:
                 self._join_all()
         finally:
-            for j in self._joinables:
+            for j in self._joinables:   # outside the context: no notify, no count
                 j._join_config = DISABLED
+                j._join_count = None
 
     def _join_all(self):
         ch, rounds, is_last_joiner = self._channel, 0, True
         while ch.all_reduce([0])[0]:         # the ranks still training notify with 1
             if rounds == WARN_THRESHOLD + 1:
-                import warnings
                 warnings.warn(f"Detected uneven input skew of greater than {WARN_THRESHOLD}. "
                               f"This means that rank {ch.group.rank} has at least "
                               f"{WARN_THRESHOLD} fewer inputs than other currently-active "
