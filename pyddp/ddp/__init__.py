@@ -200,10 +200,10 @@ class ArrayDDP(JoinableDDP, DistributedDataParallel):
         """Broadcast buffers from rank 0 (broadcast_buffers; in join mode from the
         highest rank still training), then call the model."""
         src = 0
+        bufs = self._buffers_to_sync()
         if self._join_config.enable:
             src = self._join_forward(self.require_backward_grad_sync, False)
             self._forward_seen = True
-        bufs = self._buffers_to_sync()
         if bufs:
             broadcast_coalesced(bufs, self._pg, self._timeout_ms, src)
         self.require_forward_param_sync = self.require_backward_grad_sync

@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import _C
 from .. import _arrays as A
+from .. import _lean
 from .._errors import COLLECTIVE_FAILURES, raise_explained
 from .._nccl_backend import caller_stream
 from ._common import broadcast_coalesced
@@ -52,22 +53,14 @@ JoinConfig = collections.namedtuple(
 DISABLED = JoinConfig(False, False, False, None)
 
 
-class _Pending:
-    """An integer all-reduce in flight on a pyddp group."""
+class _Counted:
+    """The notify of pyddp's Join: the count of ranks still training, known at once."""
 
-    def __init__(self, group, work, array):
-        self._group, self._work, self._array = group, work, array
-
-    def values(self):
-        """Wait; the reduced integers."""
-        try:
-            self._work.wait()
-        except COLLECTIVE_FAILURES as e:
-            raise_explained(self._group, e)
-        return [int(v) for v in self._array.tolist()]
+    def __init__(self, n):
+        self.n = n
 
     def count(self):
-        return self.values()[0]
+        return self.n
 
 
 class _TorchCount:
@@ -92,14 +85,18 @@ class PgChannel:
     def same(self, other):
         return other.pg is self.pg
 
-    def start(self, values, op=_C.OP_SUM):
-        a = int_array_like(self._like, values, np.int64)
-        w = self.pg.submit(_C.COLL_ALLREDUCE, a, None, op, 0, self._timeout_ms,
-                           caller_stream(a))
-        return _Pending(self.group, w, a)
-
     def all_reduce(self, values, op=_C.OP_SUM):
-        return self.start(values, op).values()
+        """Blocking: the reduced integers. Host memory takes the lean path (run inline on
+        this thread when the group is idle, no hand-off to its worker thread)."""
+        a = int_array_like(self._like, values, np.int64)
+        if not _lean.run(self.group, _C.COLL_ALLREDUCE, a, op, 0):
+            w = self.pg.submit(_C.COLL_ALLREDUCE, a, None, op, 0, self._timeout_ms,
+                               caller_stream(a))
+            try:
+                w.wait()
+            except COLLECTIVE_FAILURES as e:
+                raise_explained(self.group, e)
+        return [int(v) for v in a.tolist()]
 
 
 class Join:
@@ -187,11 +184,13 @@ def notify(joinable):
         from torch.distributed.algorithms.join import Join as TorchJoin
         work = TorchJoin.notify_join_context(joinable)
         return None if work is None else _TorchCount(work)
-    pending = ch.start([1])
+    # torch's notify is asynchronous; pyddp's waits (on host memory it runs on this
+    # thread, see PgChannel), so the count is known at once
+    count = _Counted(ch.all_reduce([1])[0])
     if cfg.throw_on_early_termination and ch.all_reduce([0])[0]:
         raise _C.DistError("Detected at least one rank that exhausted inputs. Throwing across "
                            "all ranks.")
-    return pending
+    return count
 
 
 class DDPJoinHook:

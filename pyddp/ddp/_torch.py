@@ -222,12 +222,12 @@ class TorchDDP(JoinableDDP, DistributedDataParallel, torch.nn.Module, Joinable):
         if grad_on:
             sync.check_prior()
         rebuild = grad_on and sync.rebuild_due()
+        bufs = self._buffers_to_sync()
         src = 0
         if self._join_config.enable:
             src = self._join_forward(grad_on and self.require_backward_grad_sync, rebuild)
         if rebuild:
             sync.rebuild()
-        bufs = self._buffers_to_sync()
         if bufs:
             with torch.no_grad():
                 broadcast_coalesced(bufs, self._pg, self._timeout_ms, src)
