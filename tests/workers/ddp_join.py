@@ -9,7 +9,8 @@ initial weights, and checks:
   1e-5), buffers included;
 
 for ``model.join()`` (pyddp's Join, on pyddp's group), torch's ``Join([model])`` (its
-all-reduces on torch's gloo group), ``divide_by_initial_world_size=False``, ``no_sync``
+all-reduces on torch's gloo group; divided by the ranks still training, which DDP reads
+from torch's notify), ``divide_by_initial_world_size=False``, ``no_sync``
 accumulation, ``find_unused_parameters``, BatchNorm buffers, ``gradient_as_bucket_view``,
 the generic data path, ``static_graph``, ``Join([model, ZeroRedundancyOptimizer])`` and
 torch's own DDP over the "pyddp" backend (its parameters against gloo's); ``disabled``
@@ -44,7 +45,7 @@ def _sometimes(step, rank):
 #          how ours joins: "model" (model.join()), "torch" (torch's Join), "zero")
 CONFIGS = {
     "plain": ({}, {}, {}, 1, _always, "model"),
-    "torch_join": ({}, {}, {}, 1, _always, "torch"),
+    "torch_join": ({}, {}, {"divide_by_initial_world_size": False}, 1, _always, "torch"),
     "divide_false": ({}, {}, {"divide_by_initial_world_size": False}, 1, _always, "model"),
     "no_sync": ({}, {}, {}, 2, _always, "model"),
     "unused": ({}, {"find_unused_parameters": True}, {"divide_by_initial_world_size": False},
