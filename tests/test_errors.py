@@ -247,8 +247,10 @@ def test_failed_future_value_never_yields_tensors():
     pickling raises the error: torch's C++ readers that pickle a value to find its
     tensors (the DDP reducer's parseCppCommHookResult, which takes the first of them
     unchecked) fail with the error's class and message in theirs, instead of getting no
-    tensor at all (the SIGSEGV of a picklable error) or a PicklingError; Python readers
-    of the future get a fresh copy of the error each time."""
+    tensor at all (the SIGSEGV of a picklable error) or a PicklingError; only once the
+    end of a backward has set it to yield (an error is raised next) does it give the
+    call's tensors, and never an empty list. Python readers of the future get a fresh
+    copy of the error each time."""
     import torch
     import torch.distributed as dist
     from torch._jit_internal import _extract_tensors
@@ -258,11 +260,17 @@ def test_failed_future_value_never_yields_tensors():
     from pyddp.torch_backend._failure import Failed, fail_future, recorded_error
     from pyddp.torch_backend._work import _Future
     err = torch_error(pyddp.DistNetworkError("receiving from rank 1: the peer closed"))
+    out = [torch.ones(2)]
+    failed = Failed(err, out)
     with pytest.raises(dist.DistNetworkError, match="rank 1: the peer closed"):
-        _extract_tensors(Failed(err))       # what the reducer does with the value
-    assert _extract_tensors([torch.ones(2)])[0].tolist() == [1.0, 1.0]
+        _extract_tensors(failed)            # what the reducer does with the value
+    failed.yields = True                    # a backward that raises next: the tensors
+    assert _extract_tensors(failed)[0] is out[0]
+    failed.result = []                      # none to yield: the error again, not []
+    with pytest.raises(dist.DistNetworkError):
+        _extract_tensors(failed)
     fut = _Future()
-    fail_future(fut, err)
+    fail_future(fut, err, out)
     for _ in range(2):
         with pytest.raises(pyddp.DistNetworkError, match="the peer closed") as info:
             fut.wait()

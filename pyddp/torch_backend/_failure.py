@@ -23,9 +23,13 @@ user in two ways: :class:`~pyddp.torch_backend._work.PyddpWork` raises the recor
 error (:func:`recorded_error`; a CUDA future has turned the pickling failure into a
 C++ error of its own), and a future handed out during a backward pass
 (:func:`watch_backward`) is waited for by an autograd callback queued before torch's
-DDP queues its own end of backward, which raises the first failure as torch's
-exception (``_errors.torch_error``'s class), so ``loss.backward()`` raises
-``torch.distributed.DistNetworkError`` naming the lost peer.
+DDP queues its own end of backward. When one of them failed, that callback lets the
+failed futures yield their output tensors to the reducer (so its end of backward runs
+to completion and its hooks go quiet: a wrapper that is replaced after the error must
+not fire beside its successor) and queues a second callback, which runs after the
+reducer's and raises the first failure as torch's exception (``_errors.torch_error``'s
+class): ``loss.backward()`` raises ``torch.distributed.DistNetworkError`` naming the
+lost peer, never with the reducer's gradients taken for good ones.
 """
 import threading
 
@@ -35,16 +39,21 @@ from .._errors import COLLECTIVE_FAILURES, raise_explained_as_torch
 
 
 class Failed:
-    """The value of the future of a failed call: holds the torch-mapped error."""
+    """The value of the future of a failed call: the torch-mapped error, and the call's
+    output tensors, which pickling yields only once ``yields`` is set (by the end of a
+    backward that raises the error next; see the module's docstring)."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "result", "yields")
 
-    def __init__(self, error):
-        self.error = error
+    def __init__(self, error, result):
+        self.error, self.result, self.yields = error, result, False
 
     def __reduce__(self):
-        # torch's C++ readers pickle the value to find its tensors: there are none,
-        # and the reader must fail with the error, not go on with an empty list.
+        # torch's C++ readers pickle the value to find its tensors: unless an error is
+        # sure to follow, they must fail with it, not go on with these tensors (nor
+        # with none, which the reducer would index anyway)
+        if self.yields and self.result:
+            return list, (list(self.result),)
         raise fresh(self.error)
 
 
@@ -66,13 +75,14 @@ def _unwrap(value):
     return value
 
 
-def fail_future(fut, error):
+def fail_future(fut, error, result):
     """Complete fut (a ``torch.futures.Future`` subclass instance) as failed with error
-    (already torch's class): Python readers get a fresh copy raised, C++ readers a
-    value that refuses to yield tensors."""
+    (already torch's class); result: the call's output tensors. Python readers get a
+    fresh copy of error raised, C++ readers a value that refuses to yield tensors."""
     fut._pyddp_error = error
+    fut._pyddp_failed = failed = Failed(error, result)
     fut._set_unwrap_func(_unwrap)
-    fut.set_result(Failed(error))
+    fut.set_result(failed)
 
 
 def recorded_error(fut, e):
@@ -113,9 +123,8 @@ def watch_backward(work):
 def _end_of_backward(task, works):
     """Autograd callback at the end of graph task `task`, queued before any callback the
     reducer queues after taking the futures: wait for every watched work (each ``wait``
-    can be interrupted), then raise the first failure, a collective's with the
-    straggler report of its group (which names the first failure of a chain: a rank
-    that lost a peer which had aborted after losing the rank that died)."""
+    can be interrupted). If one failed, let the failed futures yield their tensors and
+    queue the callback that raises (see the module's docstring)."""
     with _Backward.lock:
         if _Backward.works.get(task) is works:
             del _Backward.works[task]
@@ -125,9 +134,18 @@ def _end_of_backward(task, works):
             w.wait()
         except Exception as e:  # noqa: BLE001 - raised below, after the others
             first = first or (w, e)
-    if first is None:
-        return
-    w, e = first
+            failed = getattr(w._fut, "_pyddp_failed", None)
+            if failed is not None:
+                failed.yields = True
+    if first is not None:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _raise_failure(*first))
+
+
+def _raise_failure(w, e):
+    """Raise e, what waiting for work w raised at the end of a backward: a collective's
+    failure with the straggler report of its group (which names the first failure of a
+    chain: a rank that lost a peer which had aborted after losing the rank that died)."""
     if w._group is not None and isinstance(e.__cause__, COLLECTIVE_FAILURES):
         raise_explained_as_torch(w._group, e.__cause__)
     raise e

@@ -46,7 +46,7 @@ from .._errors import COLLECTIVE_FAILURES, raise_as_torch, \
     raise_explained_as_torch as _raise_explained_as_torch
 from ._ops import SUM as _SUM, flat as _flat, reduce_op as _reduce_op, \
     scaled as _scaled, thin_ops as _thin_ops, all_reduce_sparse
-from ._work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
+from ._work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, refused, \
     future_for
 
 _PG = _C.ProcessGroup
@@ -158,7 +158,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                     works.append(w)
         except Exception as e:
             if not works:
-                raise_as_torch(e)
+                return refused(e, result, self._handle)
             # The calls already queued run anyway; wait for them, then report.
             for w in works:
                 try:
@@ -185,7 +185,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             w = pg.torch_run(kind, tensors, opts, self._timeout_ms)
         except Exception as e:
             if getattr(opts, "asyncOp", False):    # a refused submission
-                raise_as_torch(e)
+                return refused(e, [] if tensors is None else list(tensors), self._handle)
             self._thin_failed(e)
         if w is None or w is NotImplemented:
             return w
@@ -244,7 +244,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         try:
             w = pg.submit(kind, None if t is None else (t, ptr, n, code), None, op, root, tmo)
         except Exception as e:
-            raise_as_torch(e)
+            return refused(e, [] if t is None else [t], g)
         return self._work_of(w, [] if t is None else [t])
 
     # -- reductions -----------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .._env import seconds
-from .._errors import raise_as_torch, torch_error
+from .._errors import COLLECTIVE_FAILURES, raise_as_torch, torch_error
 from ._failure import fail_future, fresh, recorded_error, watch_backward
 
 _LOCK = threading.Lock()        # a future's _chained / _completing, for every future
@@ -277,10 +277,24 @@ def _settle(fut, err, result):
         if err is None:
             fut.set_result(result)
         else:
-            fail_future(fut, torch_error(err))
+            fail_future(fut, torch_error(err), result)
     except Exception as e:  # noqa: BLE001 - the waiter must wake
         if not fut.done():
             fut.set_exception(e)
+
+
+def refused(e, result, group):
+    """For a call whose submission raised e: a collective failure (the group is broken)
+    gives the call's torch Work, its future failed with e as torch's error, as if the
+    call itself had failed: torch's C++ callers (DDP's reducer, inside backward) look for
+    failures there, and an exception out of their call would leave them half way.
+    result: the call's output tensors; group: its pyddp Group. Anything else (a bad
+    argument) is raised as torch's error."""
+    if not isinstance(e, COLLECTIVE_FAILURES):
+        raise_as_torch(e)
+    fut = future_for(result)
+    _settle(fut, e, result)
+    return PyddpWork(fut, None, group)
 
 
 def future_for(tensors):

@@ -85,7 +85,8 @@ def same_everywhere(model, what):
     everyone = [None] * pyddp.get_world_size()
     pyddp.all_gather_object(everyone, flat)
     for r, other in enumerate(everyone):
-        assert torch.equal(other, everyone[0]), f"{what}: rank {r}'s state differs from rank 0's"
+        assert torch.equal(other, everyone[0]), \
+            f"{what}: rank {r}'s state differs from rank 0's"
 
 
 def compare(name, rank, ref_model, our_model, ref_losses, our_losses):
@@ -193,7 +194,8 @@ def run_throw(rank):
         assert msg == ref_msg, f"throw ({how}): rank {rank} raised {msg!r}, torch {ref_msg!r}"
         results[how] = cls.__name__
     # pyddp's Join raises pyddp's DistError (a RuntimeError); torch's Join its own
-    assert ref_cls is RuntimeError and results == {"model": "DistError", "torch": "RuntimeError"}
+    assert ref_cls is RuntimeError, ref_cls
+    assert results == {"model": "DistError", "torch": "RuntimeError"}, results
     expect = "exhausted all inputs" if rank == 0 else "Detected at least one rank"
     assert expect in ref_msg, ref_msg
     t = torch.ones(3)

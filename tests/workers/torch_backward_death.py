@@ -5,11 +5,15 @@ good steps, the last rank SIGKILLs itself from a gradient hook in the middle of 
 third backward (some of its buckets already launched, others not). Every survivor
 prints one line
 
-    DEATH rank=<r> torch_class=<bool> pyddp_class=<bool> type=<name> msg=<repr>
+    DEATH rank=<r> torch_class=<bool> pyddp_class=<bool> type=<name> msg=<repr> after=<a>
 
-with what ``loss.backward()`` raised, and exits 0; rank 0, whose process hosts the
-store that the survivors' straggler reports read, only once every survivor has
-printed. Usage: torch_backward_death.py
+(torch_class: a torch.distributed DistNetworkError or DistBackendError)
+
+with what ``loss.backward()`` raised and, in <a>, whether a backward of the bare module
+runs after it (``ok``: the wrapper's reducer finished its end of backward, so its hooks
+are quiet, as those of a wrapper replaced after the error must be), then exits 0; rank
+0, whose process hosts the store that the survivors' straggler reports read, only once
+every survivor has printed. Usage: torch_backward_death.py
 """
 import os
 import signal
@@ -40,9 +44,16 @@ def main():
         line = f"DEATH rank={rank} no error"
     except Exception as e:  # noqa: BLE001 - what reached the user is what is checked
         import pyddp
-        line = (f"DEATH rank={rank} torch_class={isinstance(e, dist.DistError)} "
+        try:
+            net.zero_grad()
+            net(x).sum().backward()
+            after = "ok"
+        except Exception as a:  # noqa: BLE001 - reported
+            after = repr(str(a)[:200])
+        torch_class = isinstance(e, (dist.DistNetworkError, dist.DistBackendError))
+        line = (f"DEATH rank={rank} torch_class={torch_class} "
                 f"pyddp_class={isinstance(e, pyddp.DistError)} type={type(e).__name__} "
-                f"msg={str(e)!r}")
+                f"msg={str(e)!r} after={after}")
     os.write(1, (line.replace("\n", " ") + "\n").encode())
     sys.stdout.flush()
     store = dist.distributed_c10d._get_default_store()
