@@ -44,9 +44,9 @@ def is_gloo_available() -> bool:
 
 
 def __getattr__(name):
-    # DistributedDataParallel lives in pyddp.ddp, imported on first use so that
-    # `import pyddp` stays light.
-    if name == "DistributedDataParallel":
-        from .ddp import DistributedDataParallel
-        return DistributedDataParallel
+    # DistributedDataParallel and Join (torch.distributed.algorithms.Join's semantics
+    # for it) live in pyddp.ddp, imported on first use so that `import pyddp` stays light.
+    if name in ("DistributedDataParallel", "Join"):
+        from . import ddp
+        return getattr(ddp, name)
     raise AttributeError(f"module 'pyddp' has no attribute {name!r}")

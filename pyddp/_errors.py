@@ -12,7 +12,10 @@ Two mappings, each written once:
   the lean path, DDP's end of backward, the torch backend's blocking calls.
 * :func:`torch_error` maps pyddp's exception classes onto torch's (DistNetworkError,
   DistStoreError, else DistBackendError) by a class derived from both, so code that
-  catches either family catches it.
+  catches either family catches it. Those classes are made at run time (one per pyddp
+  class, torch imported only then), so an instance pickles as "this pyddp class as
+  torch's" (:func:`_remake`, found by reference), never by its class's name: it survives
+  ``pickle``, ``multiprocessing`` and torch's RPC with its class and message.
 
 torch is never imported here unless a torch mapping is asked for (then it already is).
 """
@@ -21,7 +24,7 @@ from . import _C, _forensics
 # The failures of a collective that the straggler report can explain.
 COLLECTIVE_FAILURES = (_C.DistTimeoutError, _C.DistNetworkError, _C.DistBackendError)
 
-_MIXED = {}       # (torch class, pyddp class) -> the class raised for both
+_MIXED = {}       # pyddp class -> the class raised for it in torch code (torch's and it)
 
 # The class of the last collective failure handed to torch code (pyddp.elastic reads it:
 # torch's DDP passes a failed all-reduce on as a plain RuntimeError). The class only: the
@@ -58,22 +61,52 @@ def torch_error(e):
     import torch.distributed as dist    # e is mapped for torch code: torch is imported
     if isinstance(e, dist.DistError):
         return e
-    if isinstance(e, _C.DistNetworkError):
-        tcls = dist.DistNetworkError
-    elif isinstance(e, _C.DistStoreError):
-        tcls = dist.DistStoreError
-    else:
-        tcls = dist.DistBackendError
-    pcls = type(e)
-    cls = _MIXED.get((tcls, pcls))
-    if cls is None:
-        cls = type(pcls.__name__, (tcls, pcls), {
-            "__module__": "pyddp.torch_backend",
-            "__doc__": f"pyddp's {pcls.__name__} as torch's {tcls.__name__}."})
-        _MIXED[(tcls, pcls)] = cls
-    out = cls(str(e))
+    out = _mixed_class(type(e), dist)(str(e))
     out.__cause__ = e
     return out
+
+
+def _mixed_class(pcls, dist):
+    """The class raised for pyddp's class pcls in torch code (dist: torch.distributed):
+    derived from torch's DistNetworkError, DistStoreError or DistBackendError and from
+    pcls, made once per pcls."""
+    cls = _MIXED.get(pcls)
+    if cls is None:
+        if issubclass(pcls, _C.DistNetworkError):
+            tcls = dist.DistNetworkError
+        elif issubclass(pcls, _C.DistStoreError):
+            tcls = dist.DistStoreError
+        else:
+            tcls = dist.DistBackendError
+        cls = type(pcls.__name__, (tcls, pcls), {
+            "__module__": "pyddp.torch_backend", "__reduce__": _reduce_mixed,
+            "_pyddp_class": pcls,
+            "__doc__": f"pyddp's {pcls.__name__} as torch's {tcls.__name__}."})
+        _MIXED[pcls] = cls
+    return cls
+
+
+def _reduce_mixed(self):
+    """pickle's recipe for an instance of a mixed class: _remake(its pyddp class, its
+    arguments), plus its attributes. The class itself cannot be found by name (it is
+    made at run time), the pyddp class and _remake can."""
+    return _remake, (self._pyddp_class, self.args), (self.__dict__ or None)
+
+
+def _remake(pcls, args):
+    """Unpickling: the mixed class of pyddp's class pcls, made with args (torch is
+    imported: the pickled error was torch's)."""
+    import torch.distributed as dist
+    return _mixed_class(pcls, dist)(*args)
+
+
+def raise_explained_as_torch(group, e):
+    """Raise e, a failure of a collective on group (a ``_group.Group``), with the
+    straggler report (:func:`raise_explained`), as torch's error."""
+    try:
+        raise_explained(group, e)
+    except Exception as x:
+        raise_as_torch(x)
 
 
 def raise_as_torch(e):

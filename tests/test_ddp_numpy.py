@@ -1,6 +1,7 @@
 """pyddp's DDP on models that are not torch modules: gradients averaged exactly as NumPy
 computes the mean of all ranks' gradients (C path and generic path; no_sync; unused
-parameters; bucket views; (data, grad) pairs; errors), and examples/numpy_mlp.py, whose
+parameters; bucket views; (data, grad) pairs; errors; uneven inputs under ddp.join(),
+against the same training computed alone), and examples/numpy_mlp.py, whose
 DDP-trained weights must equal one process training on the full batch."""
 import re
 
@@ -21,7 +22,7 @@ def _passes(out, ws, cases):
 def test_array_ddp(ws):
     res = torchrun("ddp_numpy.py", ws, timeout=180)
     assert res.returncode == 0, res.output[-6000:]
-    cases = ["average", "no_sync", "unused", "pairs", "errors"]
+    cases = ["average", "no_sync", "unused", "pairs", "errors", "join"]
     _passes(res.output, ws, cases + [c + " (generic)" for c in cases])
 
 

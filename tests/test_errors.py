@@ -174,3 +174,107 @@ def test_work_handles_threads_copy_out_leaks_and_destroy():
     r0 = [r for r in rs if r["rank"] == 0][0]
     assert r0["destroy_seconds"] < 2, r0           # not the peer's 3 s, nor the timeout
     assert r0["pending"] and "DistError" in r0["pending"], r0
+
+
+def _pyddp_exception_classes():
+    """Every exception class pyddp defines: the C classes (pyddp._C), and the Python
+    ones of its modules (found by walking the package, so a new one is not missed)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import pyddp
+    found = {c for c in vars(pyddp._C).values()
+             if inspect.isclass(c) and issubclass(c, BaseException)}
+    for m in pkgutil.walk_packages(pyddp.__path__, "pyddp."):
+        if m.name.startswith(("pyddp.lightning", "pyddp.doctor.__main__")):
+            continue        # lightning is optional; __main__ runs the doctor
+        mod = importlib.import_module(m.name)
+        found |= {c for c in vars(mod).values() if inspect.isclass(c) and
+                  issubclass(c, BaseException) and c.__module__.startswith("pyddp")}
+    return sorted(found, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def test_every_pyddp_error_pickles_with_its_class_and_message():
+    """pickle (what multiprocessing, torch's RPC and autograd's error paths use): every
+    exception class pyddp defines, and the class each becomes in torch code
+    (torch_error: torch's DistError family and pyddp's), round-trips with its class,
+    message and families; so does one that went through a real pickle-by-process hop."""
+    import multiprocessing
+    import pickle
+
+    import torch.distributed as dist
+
+    import pyddp
+    from pyddp._errors import torch_error
+    classes = _pyddp_exception_classes()
+    names = {c.__name__ for c in classes}
+    assert {"DistError", "DistNetworkError", "DistStoreTimeoutError", "AuthenticationError",
+            "StoreLost", "LeftOut"} <= names, names
+    mapped = 0
+    for cls in classes:
+        e = cls(f"message of {cls.__name__}: rank 3 (10.0.0.3:29500) closed")
+        for err in (e, torch_error(e)):
+            back = pickle.loads(pickle.dumps(err))
+            assert type(back) is type(err), (err, back)
+            assert str(back) == str(err) and back.args == err.args
+        t = torch_error(e)
+        if t is not e:
+            mapped += 1
+            assert isinstance(t, cls) and isinstance(t, dist.DistError), type(t).__mro__
+            back = pickle.loads(pickle.dumps(t))
+            assert isinstance(back, cls) and isinstance(back, dist.DistError)
+            if issubclass(cls, pyddp.DistNetworkError):
+                assert isinstance(back, dist.DistNetworkError)
+    assert mapped >= 12, mapped
+    # a second process unpickles it from scratch (its own mixed classes)
+    net = torch_error(pyddp.DistNetworkError("peer rank 2 lost"))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        got = pool.apply(_describe, (net,))
+    assert got == ("DistNetworkError", True, True, "peer rank 2 lost"), got
+
+
+def _describe(e):
+    """(class name, torch's DistNetworkError?, pyddp's?, message) of e, in a pool worker."""
+    import torch.distributed as dist
+
+    import pyddp
+    return (type(e).__name__, isinstance(e, dist.DistNetworkError),
+            isinstance(e, pyddp.DistNetworkError), str(e))
+
+
+def test_failed_future_value_never_yields_tensors():
+    """A failed call's torch future holds pyddp's Failed (not the exception), whose
+    pickling raises the error: torch's C++ readers that pickle a value to find its
+    tensors (the DDP reducer's parseCppCommHookResult, which takes the first of them
+    unchecked) fail with the error's class and message in theirs, instead of getting no
+    tensor at all (the SIGSEGV of a picklable error) or a PicklingError; only once the
+    end of a backward has set it to yield (an error is raised next) does it give the
+    call's tensors, and never an empty list. Python readers of the future get a fresh
+    copy of the error each time."""
+    import torch
+    import torch.distributed as dist
+    from torch._jit_internal import _extract_tensors
+
+    import pyddp
+    from pyddp._errors import torch_error
+    from pyddp.torch_backend._failure import Failed, fail_future, recorded_error
+    from pyddp.torch_backend._work import _Future
+    err = torch_error(pyddp.DistNetworkError("receiving from rank 1: the peer closed"))
+    out = [torch.ones(2)]
+    failed = Failed(err, out)
+    with pytest.raises(dist.DistNetworkError, match="rank 1: the peer closed"):
+        _extract_tensors(failed)            # what the reducer does with the value
+    failed.yields = True                    # a backward that raises next: the tensors
+    assert _extract_tensors(failed)[0] is out[0]
+    failed.result = []                      # none to yield: the error again, not []
+    with pytest.raises(dist.DistNetworkError):
+        _extract_tensors(failed)
+    fut = _Future()
+    fail_future(fut, err, out)
+    for _ in range(2):
+        with pytest.raises(pyddp.DistNetworkError, match="the peer closed") as info:
+            fut.wait()
+        assert info.value is not err and type(info.value) is type(err)
+    assert recorded_error(fut, None) is err

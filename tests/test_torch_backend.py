@@ -10,7 +10,8 @@
   torch's DDP over a gloo group in the same processes (nine configurations, two comm
   hooks among them, weights compared after every step); FSDP2 against DDP; DTensor.
 * Errors arrive as torch's DistError family (mismatch, the group's timeout, a dead
-  peer); a torchrun restart starts clean; a FileStore init and re-inits work.
+  peer, a peer killed in the middle of torch DDP's backward); a torchrun restart starts
+  clean; a FileStore init and re-inits work.
 """
 import json
 import re
@@ -126,6 +127,29 @@ def test_errors_arrive_as_torch_dist_errors():
     assert float(re.search(r"after=([\d.]+)", tmo[0]).group(1)) < 15, tmo
     dead = [rest for c, r, t, rest in cases if c == "dead"]
     assert len(dead) == 1 and float(re.search(r"after=([\d.]+)", dead[0]).group(1)) < 15, out
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_peer_killed_during_backward_surfaces_as_torch_error(ws):
+    """torch's DDP over "pyddp": the last rank SIGKILLs itself in the middle of
+    backward. On every survivor loss.backward() raises torch's DistNetworkError or
+    DistBackendError (also pyddp's class) naming the lost rank, not the RuntimeError
+    "Cannot extract tensors from value: PicklingError" of an error that does not
+    pickle, nor the SIGSEGV of one that does (see pyddp/torch_backend/_failure.py);
+    and torch's reducer has finished its end of backward (a plain backward of the
+    module afterwards runs: the hooks of a wrapper replaced after the error are quiet)."""
+    res = spawn_ranks("torch_backward_death.py", ws, env={"PYDDP_TIMEOUT": "60"},
+                      timeout=120)
+    assert res[-1].returncode == -9, res[-1].output[-3000:]
+    for r in range(ws - 1):
+        out = res[r].output
+        assert res[r].returncode == 0, out[-3000:]
+        m = re.search(rf"DEATH rank={r} torch_class=(\w+) pyddp_class=(\w+) type=(\w+) "
+                      rf"msg=(.*) after=(.*)", out)
+        assert m, out[-3000:]
+        assert m.group(1) == m.group(2) == "True", m.group(0)
+        assert f"rank {ws - 1}" in m.group(4), m.group(0)
+        assert m.group(5) == "ok", m.group(0)       # the reducer's hooks went quiet
 
 
 def test_torchrun_restart_starts_clean():

@@ -325,6 +325,13 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
         return ddp_error(DDP_ERR_CLOSED, "the peer closed its end of the shared-memory link "
                          "while this rank was reading its data; check its output for the "
                          "first error");
+    /* No such process: the peer died (SIGKILL raises no closed flag), as a
+     * closed connection says on the other transports. */
+    if (r <= 0 && err == ESRCH)
+        return ddp_error(DDP_ERR_CLOSED, "the peer process %lld is gone, and its end of the "
+                         "shared-memory link closed with it (it died or was killed: "
+                         "process_vm_readv: %s); check its output for the first error",
+                         (long long)s->peer_pid, strerror(err));
     if (r <= 0)
         return ddp_error(DDP_ERR_SYS, "copying %zu bytes out of the peer process %lld with "
                          "process_vm_readv failed: %s (PYDDP_SHM_CMA=0 turns this path off)",

@@ -10,8 +10,10 @@ gradient all-reduce (the reducer's core is C; see docs/ddp.md).
   when you call :meth:`ArrayDDP.sync_gradients` after your backward.
 
 Both are instances of ``DistributedDataParallel`` (defined with the construction steps
-both share in ``pyddp.ddp._common``). torch is imported only when the model is a torch
-module: this module picks the front and imports ``_torch`` then.
+both share in ``pyddp.ddp._common``), and both take uneven inputs under ``with
+model.join():`` (``pyddp.ddp._join``, torch's Join semantics). torch is imported only
+when the model is a torch module: this module picks the front and imports ``_torch``
+then.
 
 The package (DDP) may import the core (the top-level modules of pyddp) and torch, never
 the torch integration, elastic or the tools; the core hands it nothing but its group.
@@ -23,6 +25,7 @@ from ._common import (BROADCAST_BUCKET_BYTES, REDUCE_DTYPES,  # noqa: F401 - thi
                           ddp_group, follow_world, reduce_dtype_name, sync_initial_state,
                           use_generic_path,
                           verify_across_ranks)
+from ._join import Join, JoinableDDP  # noqa: F401 - Join: this API
 from ._reducer import GradSync
 
 
@@ -96,12 +99,17 @@ class _PairParam:
             A.copy_into(self._grad, value)
 
 
-class ArrayDDP(DistributedDataParallel):
+class ArrayDDP(JoinableDDP, DistributedDataParallel):
     """DDP for models outside torch. After your backward pass has filled every
     parameter's ``.grad``, call :meth:`sync_gradients` (alias ``reduce_gradients``): it
     averages the gradients across ranks in place, through the same buckets as the torch
     path. Inside ``no_sync()`` it does nothing, so gradients you accumulate (``+=``)
-    are averaged by the first call outside it. Calling the wrapper calls the model."""
+    are averaged by the first call outside it. Calling the wrapper calls the model.
+
+    Uneven inputs: ``with model.join():`` around the loop (``divide_by_initial_world_size``,
+    ``enable``, ``throw_on_early_termination`` as torch's ``DDP.join``). Each iteration
+    must then call the model through the wrapper before ``sync_gradients()``: that call
+    tells the ranks that have run out of data what to shadow."""
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=True, init_sync=True, process_group=None,
@@ -133,6 +141,7 @@ class ArrayDDP(DistributedDataParallel):
                                static_graph=False, view_mode=gradient_as_bucket_view,
                                reduce_dtype=rdt)
         self._sync = self._new_sync()
+        self._forward_seen = False      # join mode: the wrapper was called this iteration
         follow_world(self, process_group)
 
     def _new_sync(self):
@@ -166,14 +175,40 @@ class ArrayDDP(DistributedDataParallel):
     def _set_grad(self, i, g):
         self._params[i].grad = g
 
+    def _states(self):
+        """What a join's end broadcasts: the parameters, and the buffers when
+        broadcast_buffers."""
+        return self._arrays + (self._buffers if self.broadcast_buffers else [])
+
+    def _buffers_to_sync(self):
+        if (self.require_forward_param_sync and self.broadcast_buffers and self._buffers
+                and self._group.size > 1):
+            return self._buffers
+        return []
+
+    @property
+    def join_device(self):
+        """Where the model's arrays live: "cpu", or the GPU's device object."""
+        return getattr(self._arrays[0], "device", "cpu")
+
+    @property
+    def join_process_group(self):
+        """The pyddp group the model runs on (pyddp.Join's all-reduces go there)."""
+        return self._group
+
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        """Broadcast buffers from rank 0 (broadcast_buffers), then call the model."""
-        if (self.require_forward_param_sync and self.broadcast_buffers and self._buffers
-                and self._group.size > 1):
-            broadcast_coalesced(self._buffers, self._pg, self._timeout_ms)
+        """Broadcast buffers from rank 0 (broadcast_buffers; in join mode from the
+        highest rank still training), then call the model."""
+        src = 0
+        bufs = self._buffers_to_sync()
+        if self._join_config.enable:
+            src = self._join_forward(self.require_backward_grad_sync, False)
+            self._forward_seen = True
+        if bufs:
+            broadcast_coalesced(bufs, self._pg, self._timeout_ms, src)
         self.require_forward_param_sync = self.require_backward_grad_sync
         fn = self.module if callable(self.module) else getattr(self.module, "forward")
         return fn(*args, **kwargs)
@@ -189,6 +224,11 @@ class ArrayDDP(DistributedDataParallel):
         if not self.require_backward_grad_sync:
             return
         s = self._sync
+        if self._join_config.enable and not self._forward_seen:
+            raise _C.DistValueError(
+                "DDP: inside model.join(), call the model through the DDP wrapper (model(x)) "
+                "in every iteration before sync_gradients(): that call tells the ranks that "
+                "have run out of data which collectives to match")
         missing = [s.names[i] for i, p in enumerate(self._params) if p.grad is None]
         if missing and not s.dynamic_unused:
             # All gradients are known up front, so fail before any communication.
@@ -202,6 +242,8 @@ class ArrayDDP(DistributedDataParallel):
         for i in reversed(range(len(self._params))):
             if self._params[i].grad is not None:
                 s.on_grad(i)
+        self._forward_seen = False
         s.finalize()
+        self._join_after_backward()
 
     reduce_gradients = sync_gradients

@@ -146,9 +146,9 @@ def verify_across_ranks(names, arrays, g=None):
             f"build the same model on every rank")
 
 
-def broadcast_coalesced(arrays, pg, timeout_ms):
-    """Overwrite arrays with rank 0's values: packed per dtype and device into flat
-    chunks of at most 250 MiB, one broadcast each (as torch's DDP does)."""
+def broadcast_coalesced(arrays, pg, timeout_ms, src=0):
+    """Overwrite arrays with group rank src's values: packed per dtype and device into
+    flat chunks of at most 250 MiB, one broadcast each (as torch's DDP does)."""
     groups = {}
     for a in arrays:
         key = (str(a.dtype), str(getattr(a, "device", "cpu")))
@@ -158,14 +158,14 @@ def broadcast_coalesced(arrays, pg, timeout_ms):
         for a in group + [None]:
             n = 0 if a is None else int(a.nbytes)
             if chunk and (a is None or size + n > BROADCAST_BUCKET_BYTES):
-                _broadcast_chunk(chunk, pg, timeout_ms)
+                _broadcast_chunk(chunk, pg, timeout_ms, src)
                 chunk, size = [], 0
             if a is not None:
                 chunk.append(a)
                 size += n
 
 
-def _broadcast_chunk(chunk, pg, timeout_ms):
+def _broadcast_chunk(chunk, pg, timeout_ms, src):
     total = sum(A.numel(a) for a in chunk)
     flat = A.empty_flat(A.for_core(chunk[0]), total)
     off = 0
@@ -173,7 +173,7 @@ def _broadcast_chunk(chunk, pg, timeout_ms):
         n = A.numel(a)
         A.copy_into(flat[off:off + n], A.for_core(a))
         off += n
-    pg.submit(_C.COLL_BROADCAST, flat, None, 0, 0, timeout_ms, caller_stream(flat)).wait()
+    pg.submit(_C.COLL_BROADCAST, flat, None, 0, src, timeout_ms, caller_stream(flat)).wait()
     off = 0
     for a in chunk:
         n = A.numel(a)

@@ -316,6 +316,7 @@ class GradSync:
         self.hooks = _C.GradHooks(len(params), static_graph=static_graph,
                                   find_unused=self.dynamic_unused)
         self.broken = None           # message of an unrecoverable error
+        self.synced_used = None      # last finalize: per-parameter use counts (None: all)
         self.rebuilt = False
         self._order_seen = None      # arrival order of the first synced iteration
         self._static_used = None     # global use counts of a static graph's iteration 1
@@ -433,6 +434,7 @@ class GradSync:
                 used = self._static_used
             if used is not None:
                 self._create_missing_grads(used)
+            self.synced_used = used
             if not self.rebuilt and self._order_seen is None and not self.dynamic_unused:
                 self._order_seen = self.engine.arrival()
         except BaseException:
@@ -469,13 +471,28 @@ class GradSync:
                 f"model and restart the job.")
 
     # -- buckets in arrival order -----------------------------------------------------------
+    def rebuild_due(self):
+        """The buckets are re-planned at this forward (the first after the first synced
+        iteration, unless a dynamic unused set means there is no order to learn)."""
+        return not (self.rebuilt or self._order_seen is None or self.engine.in_iteration)
+
     def maybe_rebuild(self):
         """Once, after the first synced iteration: re-plan the buckets in the order the
         gradients arrived on rank 0 (broadcast, so every rank gets the same plan).
         Collective: every rank calls it at the same point (the next forward)."""
-        if self.rebuilt or self._order_seen is None or self.engine.in_iteration:
+        if not self.rebuild_due():
             return False
-        order = int_array_like(A.for_core(self.params[0]), self._order_seen, np.int64)
+        self.rebuild()
+        return True
+
+    def rebuild(self):
+        """Re-plan the buckets in rank 0's arrival order (collective, see maybe_rebuild).
+        A rank that saw no synced backward of its own (joined before the first) offers
+        the planned order, reverse registration (rank 0's order is the one used)."""
+        seen = self._order_seen
+        if seen is None:
+            seen = list(reversed(range(len(self.params))))
+        order = int_array_like(A.for_core(self.params[0]), seen, np.int64)
         if self.world > 1:
             self._pg.submit(_C.COLL_BROADCAST, order, None, 0, 0, self._timeout_ms,
                             caller_stream(order)).wait()
@@ -488,7 +505,6 @@ class GradSync:
         self._order_seen = None
         if self.view_mode:
             self._point_grads_at_views()
-        return True
 
     def _point_grads_at_views(self):
         """gradient_as_bucket_view: existing gradients move into their bucket slots and

@@ -17,14 +17,21 @@ returns with gradients averaged across ranks:
 Forward follows torch's order: check the previous iteration finished, rebuild buckets
 once (first forward after the first synced backward), broadcast buffers from rank 0,
 run the module, then expect a synced backward if grad is enabled outside ``no_sync()``.
+
+It is a ``torch.distributed.algorithms.Joinable`` (``_join.JoinableDDP``): under a join
+context (``model.join()``, ``pyddp.Join``, torch's ``Join``) the forward first tells
+the context and the ranks that have run out of data what this iteration does, and
+buffers come from the highest rank still training.
 """
 import functools
 import weakref
 
 import torch
+from torch.distributed.algorithms.join import Joinable
 
 from .. import _C
 from .. import _arrays as A
+from ._join import JoinableDDP, torch_join_group
 from ._reducer import GradSync
 from ._common import (DistributedDataParallel, broadcast_coalesced, bucket_bytes,
                           ddp_group, follow_world, reduce_dtype_name, sync_initial_state,
@@ -77,7 +84,7 @@ def _to_device(obj, device):
     return obj
 
 
-class TorchDDP(DistributedDataParallel, torch.nn.Module):
+class TorchDDP(JoinableDDP, DistributedDataParallel, torch.nn.Module, Joinable):
     """pyddp.DistributedDataParallel for a torch.nn.Module (see DistributedDataParallel)."""
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
@@ -87,7 +94,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
                  _generic_path=None):
         torch.nn.Module.__init__(self)
         g, pg, tmo = ddp_group(process_group)
-        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._ignore = ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
@@ -117,10 +124,7 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
         self._forced_generic = _generic_path
         with torch.no_grad():
             if init_sync:
-                states = [(n, p.detach()) for n, p in named]
-                if broadcast_buffers:
-                    states += [(n, b.detach()) for n, b in module.named_buffers()
-                               if n not in ignore]
+                states = self._named_states()
                 sync_initial_state([n for n, _ in states], [t for _, t in states], g, pg,
                                    self._timeout_ms)
             self._sync = self._new_sync()
@@ -170,6 +174,36 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
         self.device_ids = [dev.index]
         self.output_device = output_device if output_device is not None else dev.index
 
+    def _named_states(self):
+        """(name, tensor) of what construction and a join's end broadcast: every
+        parameter, then the buffers when broadcast_buffers (ignored names left out)."""
+        states = [(n, p.detach()) for n, p in self.module.named_parameters()
+                  if n not in self._ignore]
+        if self.broadcast_buffers:
+            states += [(n, b.detach()) for n, b in self.module.named_buffers()
+                       if n not in self._ignore]
+        return states
+
+    def _states(self):
+        return [t for _, t in self._named_states()]
+
+    def _buffers_to_sync(self):
+        """The buffers this forward broadcasts (none inside no_sync's iterations)."""
+        if (self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers
+                and self._group.size > 1):
+            return [b.detach() for b in self._module_buffers]
+        return []
+
+    @property
+    def join_device(self):
+        return self._params[0].device
+
+    @property
+    def join_process_group(self):
+        """torch's default group (torch's Join runs its all-reduces there); it must hold
+        the ranks of this DDP's group, else a DistValueError names what to use."""
+        return torch_join_group(self._group)
+
     def _get_grad(self, i):
         return self._params[i].grad
 
@@ -178,18 +212,25 @@ class TorchDDP(DistributedDataParallel, torch.nn.Module):
 
     def _finalize_backward(self):
         self._sync.finalize()
+        if self._join_count is not None:
+            with torch.no_grad():
+                self._join_after_backward()
 
     def forward(self, *inputs, **kwargs):
         sync = self._sync
         grad_on = torch.is_grad_enabled()
         if grad_on:
             sync.check_prior()
-            sync.maybe_rebuild()
-        if (self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers
-                and self._group.size > 1):
+        rebuild = grad_on and sync.rebuild_due()
+        bufs = self._buffers_to_sync()
+        src = 0
+        if self._join_config.enable:
+            src = self._join_forward(grad_on and self.require_backward_grad_sync, rebuild)
+        if rebuild:
+            sync.rebuild()
+        if bufs:
             with torch.no_grad():
-                broadcast_coalesced([b.detach() for b in self._module_buffers], self._pg,
-                                    self._timeout_ms)
+                broadcast_coalesced(bufs, self._pg, self._timeout_ms, src)
         if self.device_ids:
             dev = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _to_device(inputs, dev), _to_device(kwargs, dev)

@@ -45,11 +45,12 @@ import torch.distributed as dist
 from .. import _C
 from .. import _arrays as A
 from .. import collectives as C
-from .._errors import COLLECTIVE_FAILURES, raise_as_torch, raise_explained
+from .._errors import COLLECTIVE_FAILURES, raise_as_torch, \
+    raise_explained_as_torch as _raise_explained_as_torch
 from ._ops import SUM as _SUM, flat as _flat, reduce_op as _reduce_op, \
     scaled as _scaled, thin_ops as _thin_ops, all_reduce_sparse
 from ._cuda import CudaWork as _CudaWork
-from ._work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, \
+from ._work import PyddpWork, _Completion, _Future, _One, first_error_or_empty, refused, \
     future_for
 
 _PG = _C.ProcessGroup
@@ -60,15 +61,6 @@ _torch_cpu_code = A.torch_cpu_code     # the one contiguous-CPU-tensor test
 _C.torch_thin_config(*A.torch_hook_config(torch), _thin_ops())
 _ALLREDUCE, _BROADCAST, _REDUCE, _BARRIER = (_C.COLL_ALLREDUCE, _C.COLL_BROADCAST,
                                              _C.COLL_REDUCE, _C.COLL_BARRIER)
-
-
-def _raise_explained_as_torch(g, e):
-    """Raise e, a blocking collective's failure on group g, with the straggler report
-    (``_errors.raise_explained``), as torch's error."""
-    try:
-        raise_explained(g, e)
-    except Exception as x:
-        raise_as_torch(x)
 
 
 class _BackendInfo:
@@ -171,7 +163,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
                     works.append(w)
         except Exception as e:
             if not works:
-                raise_as_torch(e)
+                return refused(e, result, self._handle)
             # The calls already queued run anyway; wait for them, then report.
             for w in works:
                 try:
@@ -182,7 +174,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         comp = _Completion(fut, works, result, post)
         if self._coalesced is not None:
             self._coalesced.append(fut)
-        return PyddpWork(fut, comp)
+        return PyddpWork(fut, comp, self._handle)
 
     def _in_c(self, kind, tensors, opts):
         """Offer torch's call of kind (_ALLREDUCE, _REDUCE, _BROADCAST, _BARRIER) to
@@ -199,7 +191,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
             w = pg.torch_run(kind, tensors, opts, self._timeout_ms, _CudaWork)
         except Exception as e:
             if getattr(opts, "asyncOp", False):    # a refused submission
-                raise_as_torch(e)
+                return refused(e, [] if tensors is None else list(tensors), self._handle)
             self._thin_failed(e)
         if type(w) is _CWork:
             return self._work_of(w, [] if tensors is None else list(tensors))
@@ -213,7 +205,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         fut = _Future()
         if self._coalesced is not None:
             self._coalesced.append(fut)
-        return PyddpWork(fut, _One(fut, w, result))
+        return PyddpWork(fut, _One(fut, w, result), self._handle)
 
     def _thin_failed(self, e):
         """Raise e, raised by ProcessGroup.torch_run, as torch's error (a collective's
@@ -260,7 +252,7 @@ class ProcessGroupPyddp(dist.ProcessGroup):
         try:
             w = pg.submit(kind, None if t is None else (t, ptr, n, code), None, op, root, tmo)
         except Exception as e:
-            raise_as_torch(e)
+            return refused(e, [] if t is None else [t], g)
         return self._work_of(w, [] if t is None else [t])
 
     # -- reductions -----------------------------------------------------------------

@@ -6,7 +6,7 @@ A call of :class:`pyddp.torch_backend._pg.ProcessGroupPyddp` starts one or more 
 completion (:class:`_One` for one ``_C.Work``, :class:`_Completion` for several) hears
 of the end from pyddp's completion thread (``add_done_callback``) and completes one
 ``torch.futures.Future`` with the output tensors, or with the first error as torch's
-exception (``_errors.torch_error``):
+exception (``_errors.torch_error``, delivered as ``_failure`` explains):
 
 * on the completion thread itself, unless Python code chained a callback on the future
   (``then()``/``add_done_callback()``: a comm hook such as PowerSGD, which waits inside
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .._env import seconds
-from .._errors import raise_as_torch, torch_error
+from .._errors import COLLECTIVE_FAILURES, raise_as_torch, torch_error
+from ._failure import fail_future, fresh, recorded_error, watch_backward
 
 _LOCK = threading.Lock()        # a future's _chained / _completing, for every future
 
@@ -276,10 +277,24 @@ def _settle(fut, err, result):
         if err is None:
             fut.set_result(result)
         else:
-            fut.set_exception(torch_error(err))
+            fail_future(fut, torch_error(err), result)
     except Exception as e:  # noqa: BLE001 - the waiter must wake
         if not fut.done():
             fut.set_exception(e)
+
+
+def refused(e, result, group):
+    """For a call whose submission raised e: a collective failure (the group is broken)
+    gives the call's torch Work, its future failed with e as torch's error, as if the
+    call itself had failed: torch's C++ callers (DDP's reducer, inside backward) look for
+    failures there, and an exception out of their call would leave them half way.
+    result: the call's output tensors; group: its pyddp Group. Anything else (a bad
+    argument) is raised as torch's error."""
+    if not isinstance(e, COLLECTIVE_FAILURES):
+        raise_as_torch(e)
+    fut = future_for(result)
+    _settle(fut, e, result)
+    return PyddpWork(fut, None, group)
 
 
 def future_for(tensors):
@@ -299,14 +314,17 @@ class PyddpWork(dist.Work):
     error, so this subclass of torch's Work (pybind's trampoline routes C++ callers'
     ``wait`` and ``getFuture`` here too) waits on pyddp's works, which is interruptible
     by Ctrl-C, completes the future itself, and then raises the collective's error as
-    torch's exception. ``get_future()`` gives the future (value: the output tensors)."""
+    torch's exception. ``get_future()`` gives the future (value: the output tensors).
+    group: the pyddp Group the call ran on, for the straggler report of a failure that
+    surfaces at the end of a backward pass (``_failure.watch_backward``)."""
 
     _source = None      # receive from any source: () -> the sender's group rank
 
-    def __init__(self, fut, completion=None):
+    def __init__(self, fut, completion=None, group=None):
         super().__init__()
         self._fut = fut
         self._comp = completion
+        self._group = group
 
     def _source_rank(self):
         """For a receive from any source (``recv_anysource``): the sender's group rank,
@@ -330,10 +348,11 @@ class PyddpWork(dist.Work):
         try:
             self._fut.wait()
         except Exception as e:  # noqa: BLE001 - the collective's error, re-raised fresh
-            _raise_stored(e)
+            _raise_stored(recorded_error(self._fut, e))
         return True
 
     def get_future(self):
+        watch_backward(self)
         return self._fut
 
     def is_completed(self):
@@ -348,15 +367,14 @@ class PyddpWork(dist.Work):
         try:
             self._fut.value()
         except Exception as e:  # noqa: BLE001 - the stored error, returned
-            e.__traceback__ = None      # no frame of ours on it (see _raise_stored)
-            return e
+            return fresh(recorded_error(self._fut, e))
         return None
 
     def result(self):
         try:
             return self._fut.value()
         except Exception as e:  # noqa: BLE001 - the collective's error, re-raised fresh
-            _raise_stored(e)
+            _raise_stored(recorded_error(self._fut, e))
 
     def synchronize(self):
         self.wait()
@@ -374,12 +392,7 @@ def _raise_stored(e):
     collector cannot see, so every failed call would keep its Work, its pyddp group and
     the group's connections alive forever."""
     e.__traceback__ = None
-    try:
-        fresh = type(e)(*e.args)
-    except Exception:  # noqa: BLE001 - a class that cannot be re-made: raise e itself
-        raise e from e.__cause__
-    fresh.__cause__ = e.__cause__
-    raise fresh
+    raise fresh(e)
 
 
 def first_error_or_empty(all_done):

@@ -5,7 +5,8 @@
  * single-copy descriptor paths interleaved in one stream), each with the
  * single-copy path on and off (PYDDP_SHM_CMA), deadlines and abort flags, a peer that shuts down,
  * a peer killed with SIGKILL (must fail within seconds, not at the
- * deadline), a peer that overwrites the segment header's ring size after
+ * deadline; also one killed with its buffer offered for the single copy: a
+ * closed link, not a system error), a peer that overwrites the segment header's ring size after
  * setup or its ring counter (no overrun: the capacity comes from the
  * mapping; a bad counter is DDP_ERR_PROTOCOL), and that nothing is left in
  * /dev/shm. Prints (never asserts)
@@ -335,6 +336,37 @@ static void test_peer_killed(void) {
     T_ASSERT(waitpid(child, &ws, 0) == child && WIFSIGNALED(ws));
 }
 
+/* Sends 1 MiB, which the parent copies straight out of this process where the
+ * machine allows it (the single-copy path), and stays in the send until killed. */
+static int big_send_child(ddp_link *l) {
+    char *buf = calloc(1, 1u << 20);
+    if (buf == NULL) return 1;
+    ddp_link_send(l, buf, 1u << 20, W(20000));
+    free(buf);
+    return 0;
+}
+
+/* The sender is killed (and reaped) with its buffer offered: the receive fails
+ * as a closed link, naming the peer that went away, not as a system error. */
+static void test_peer_killed_mid_copy(void) {
+    setenv("PYDDP_SHM_CMA", "1", 1);
+    ddp_settings_reload();
+    pid_t child;
+    ddp_link *l = start_pair(RING, big_send_child, &child);
+    usleep(200 * 1000);
+    T_ASSERT(kill(child, SIGKILL) == 0);
+    int ws = 0;
+    T_ASSERT(waitpid(child, &ws, 0) == child && WIFSIGNALED(ws));
+    char *b = malloc(1u << 20);
+    T_ASSERT(b != NULL);
+    T_STATUS(ddp_link_recv(l, b, 1u << 20, W(20000)), DDP_ERR_CLOSED);
+    T_ASSERT(strstr(ddp_last_error(), "process_vm_readv failed") == NULL);
+    free(b);
+    ddp_link_free(l);
+    unsetenv("PYDDP_SHM_CMA");
+    ddp_settings_reload();
+}
+
 /* A peer that rewrites the header's ring size after setup changes nothing:
  * both sides stream correctly (the old code took the capacity from the
  * header and wrote far past the mapping). */
@@ -410,6 +442,7 @@ int main(void) {
     test_shutdown_from_another_thread();
     test_peer_shutdown();
     test_peer_killed();
+    test_peer_killed_mid_copy();
     test_figures();
     printf("test_link_shm: ok\n");
     return 0;

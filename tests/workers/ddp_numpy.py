@@ -1,7 +1,8 @@
 """Worker for tests/test_ddp_numpy.py: pyddp's DDP on models that are not torch modules.
 Every rank makes rank-dependent gradients, calls sync_gradients(), and checks the result
 against NumPy arithmetic on all ranks' gradients (gathered separately with
-all_gather_object), on the C path and on the generic path. Prints "rank R: PASS <case>"
+all_gather_object), on the C path and on the generic path; ``join`` trains with uneven
+inputs under ddp.join() and checks against the training computed alone. Prints "rank R: PASS <case>"
 per case; any failure raises (non-zero exit). torch is never imported here.
 """
 import sys
@@ -153,8 +154,111 @@ def case_errors(rank, world, generic):
     check_average(model, everyone)
 
 
+class Linear:
+    """y = x @ w + b, with a buffer that follows the outputs' mean (updated by each
+    forward), trained by hand on the squared error."""
+
+    def __init__(self, rank):
+        rng = np.random.default_rng(50 + rank)
+        self.w, self.b = P(rng.normal(size=(6, 2))), P(rng.normal(size=2))
+        self.running = np.zeros(2)
+
+    def named_parameters(self):
+        return [("w", self.w), ("b", self.b)]
+
+    def named_buffers(self):
+        return [("running", self.running)]
+
+    def __call__(self, x):
+        y = x @ self.w.data + self.b.data
+        self.running[:] = 0.9 * self.running + 0.1 * y.mean(0)
+        return y
+
+
+def join_data(step, rank):
+    rng = np.random.default_rng(100 * step + rank)
+    return rng.normal(size=(5, 6)), rng.normal(size=(5, 2))
+
+
+def lsq_grads(w, b, x, t):
+    """Gradients of sum((x @ w + b - t)**2) / len(x) with respect to w and b."""
+    d = 2 * (x @ w + b - t) / len(x)
+    return x.T @ d, d.sum(0)
+
+
+def join_steps(rank):
+    return 2 + 2 * rank
+
+
+def join_reference(world, divide_initial, lr):
+    """Every rank's training under Join, computed alone: rank 0's initial weights, at
+    each step the gradients of the ranks still training summed and divided by the
+    world size (or their number), and the buffer of the highest rank still training
+    (the last one: it trains every step), whose model the join's end hands to all."""
+    m = Linear(0)
+    w, b, running = m.w.data.copy(), m.b.data.copy(), m.running.copy()
+    for step in range(join_steps(world - 1)):
+        active = [r for r in range(world) if join_steps(r) > step]
+        gw, gb = np.zeros_like(w), np.zeros_like(b)
+        for r in active:
+            x, t = join_data(step, r)
+            if r == world - 1:
+                running = 0.9 * running + 0.1 * (x @ w + b).mean(0)
+            g = lsq_grads(w, b, x, t)
+            gw, gb = gw + g[0], gb + g[1]
+        div = world if divide_initial else len(active)
+        w, b = w - lr * gw / div, b - lr * gb / div
+    return w, b, running
+
+
+def case_join(rank, world, generic):
+    """Uneven inputs under ddp.join() (rank r trains 2 + 2r steps): the final weights and
+    buffer, the same on every rank, are the reference's; with
+    throw_on_early_termination every rank raises once rank 0 has run out; a
+    sync_gradients() without a forward through the wrapper fails before sending."""
+    lr = 0.1
+    for divide in (True, False):
+        model = Linear(rank)
+        ddp = DDP(model, bucket_cap_mb=1 / 1024, _generic_path=generic)
+        with ddp.join(divide_by_initial_world_size=divide):
+            for step in range(join_steps(rank)):
+                x, t = join_data(step, rank)
+                ddp(x)
+                model.w.grad, model.b.grad = lsq_grads(model.w.data, model.b.data, x, t)
+                ddp.sync_gradients()
+                model.w.data -= lr * model.w.grad
+                model.b.data -= lr * model.b.grad
+        w, b, running = join_reference(world, divide, lr)
+        for got, want, what in ((model.w.data, w, "w"), (model.b.data, b, "b"),
+                                (model.running, running, "running")):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12,
+                                       err_msg=f"{what} (divide={divide})")
+    raised = None
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for step in range(join_steps(rank)):
+                ddp(join_data(step, rank)[0])
+                ddp.sync_gradients()
+    except pyddp.DistError as e:
+        raised = str(e)
+    if world > 1:
+        want = "Rank 0 exhausted all inputs." if rank == 0 else "Detected at least one rank"
+        assert raised is not None and want in raised, raised
+    else:
+        assert raised is None, raised
+    with ddp.join():
+        try:
+            ddp.sync_gradients()
+        except pyddp.DistValueError as e:
+            assert "through the DDP wrapper" in str(e), str(e)
+        else:
+            raise AssertionError("sync_gradients() without a forward in join mode was accepted")
+        ddp(join_data(0, rank)[0])
+        ddp.sync_gradients()
+
+
 CASES = {"average": case_average, "no_sync": case_no_sync, "unused": case_unused,
-         "pairs": case_pairs, "errors": case_errors}
+         "pairs": case_pairs, "errors": case_errors, "join": case_join}
 
 
 def main():

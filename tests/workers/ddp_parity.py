@@ -88,19 +88,25 @@ def batch(step, micro, rank):
     return torch.randn(6, 10, generator=g), torch.randint(0, 4, (6,), generator=g)
 
 
+def train_step(ddp, opt, step, accum, use_branch, rank, losses):
+    """One optimizer step of accum micro-batches (all but the last under no_sync);
+    appends each micro-batch's loss to losses."""
+    opt.zero_grad()
+    for micro in range(accum):
+        x, y = batch(step, micro, rank)
+        ctx = ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(ddp(x, use_branch=use_branch(step, rank)), y)
+            loss.backward()
+        losses.append(loss.item())
+    opt.step()
+
+
 def train(ddp, model, accum, use_branch, rank, check):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for step in range(STEPS):
-        opt.zero_grad()
-        for micro in range(accum):
-            x, y = batch(step, micro, rank)
-            ctx = ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = F.cross_entropy(ddp(x, use_branch=use_branch(step, rank)), y)
-                loss.backward()
-            losses.append(loss.item())
-        opt.step()
+        train_step(ddp, opt, step, accum, use_branch, rank, losses)
         check(model, step)
     return losses
 
@@ -125,6 +131,21 @@ def rel_diff(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def states_agree(name, ref_model, our_model):
+    """Assert that our_model's parameters and buffers equal ref_model's (floating point:
+    relative RTOL); returns the largest relative difference."""
+    ref_state, our_state = state(ref_model), state(our_model)
+    worst = 0.0
+    for k, v in ref_state.items():
+        if v.is_floating_point():
+            d = rel_diff(our_state[k], v)
+            assert d <= RTOL, f"{name}: {k} differs from torch's DDP (relative {d:.3g})"
+            worst = max(worst, d)
+        else:
+            assert torch.equal(our_state[k], v), f"{name}: buffer {k} differs"
+    return worst
+
+
 def run_parity(name, rank):
     model_kw, ddp_kw, accum, use_branch = CONFIGS[name]
     ddp_kw = dict(ddp_kw)
@@ -139,14 +160,7 @@ def run_parity(name, rank):
     our_losses = train(ours, our_model, accum, use_branch, rank, identical_across_ranks)
     worst = rel_diff(torch.tensor(our_losses), torch.tensor(ref_losses))
     assert worst <= RTOL, f"{name}: losses differ from torch's DDP: {our_losses} vs {ref_losses}"
-    ref_state, our_state = state(ref_model), state(our_model)
-    for k, v in ref_state.items():
-        if v.is_floating_point():
-            d = rel_diff(our_state[k], v)
-            assert d <= RTOL, f"{name}: {k} differs from torch's DDP (relative {d:.3g})"
-            worst = max(worst, d)
-        else:
-            assert torch.equal(our_state[k], v), f"{name}: buffer {k} differs"
+    worst = max(worst, states_agree(name, ref_model, our_model))
     for (k, p), (_, q) in zip(ref_model.named_parameters(), our_model.named_parameters()):
         assert (p.grad is None) == (q.grad is None), f"{name}: {k}.grad presence differs"
     assert list(ours.state_dict()) == list(ref.state_dict())
