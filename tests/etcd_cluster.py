@@ -6,6 +6,8 @@ The binary is Debian's ``etcd-server`` (``apt-get install etcd-server``; ``.ci/r
 installs it). Without it the tests that need it skip, except under ``CI=true``, where
 they fail: CI must run them. ``tls_files`` makes a CA, a server certificate for the
 members' addresses and a client certificate with the ``openssl`` command.
+benchmarks/elastic.py starts its members with ``EtcdCluster`` too (pytest is then
+imported only if the binary is missing).
 """
 import json
 import os
@@ -16,8 +18,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
-
 from launch import free_port
 
 
@@ -26,6 +26,7 @@ def etcd_binary():
     path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd")
                                     else None)
     if path is None:
+        import pytest
         msg = "etcd is not installed (Debian: apt-get install etcd-server)"
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
@@ -191,6 +192,7 @@ def tls_files(tmp, addrs=("127.0.0.1",)):
     """A CA, a server certificate for addrs (IP SANs) and a client certificate, made with
     the openssl command: {"ca", "server_cert", "server_key", "client_cert",
     "client_key"} (paths)."""
+    import pytest
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is not installed")
     d = tmp / "tls"
