@@ -12,16 +12,19 @@ TCPStore.
 **Recovery** (``--lines``, default ``restart,agent,etcd``; benchmarks/elastic_nodes.py
 starts the nodes). Two "nodes" on loopback, each a stock torchrun agent
 (``--nnodes=1:2 --nproc_per_node=2``) running benchmarks/elastic_worker.py (an MLP under
-pyddp's DDP, a commit in place or a checkpoint on each node's disk every epoch). On the
+pyddp's DDP, a commit in place or a checkpoint on each node's disk every epoch); node 0
+starts first and trains alone, then node 1 joins, so rank 0 starts on node 0. On the
 etcd line three etcd members run on loopback; nodes 0 and 1 each own one (a killed node
 takes its member along; it starts it again when it returns), the third stands for a
 machine that trains nothing. Each change is timed from the moment it happens to rank
 0's first step after it (rank 0 prints every step with its time):
 
 1. (agent, etcd) a quiet window of ``--window`` s: the typical (median) and longest gap
-   between two steps; on etcd then the etcd leader is killed and the next window
-   measured the same way: training's pause, if any (the member starts again after);
-2. node 1 killed mid-epoch (not rank 0's) -> first step at world 2; started again with
+   between two steps; on etcd then the etcd leader (member 2, made leader beforehand
+   with etcd's MoveLeader) is killed and the next window measured the same way:
+   training's pause, if any (the member starts again after);
+2. node 1 killed mid-epoch (not rank 0's; on etcd its member a follower, or with
+   ``--lost-member-leads`` the leader) -> first step at world 2; started again with
    the same line -> first step at world 4, and how long the survivors were held up (the
    longest gap between two of rank 0's steps meanwhile; the new processes' start-up,
    imports included, is in the return time);
@@ -32,8 +35,9 @@ machine that trains nothing. Each change is timed from the moment it happens to 
 5. (agent, etcd) node 1 started again (world 4, not timed), then rank 0's node, node 0,
    killed. On the agent line node 0 is the endpoint's, whose agent holds the job's
    store: **the job ends there**; measured is the time until node 1 prints StoreLost
-   and until its torchrun exits. On etcd: -> first step at world 2 (rank 0 is then on
-   node 1), and node 0 back with its line (and member) -> first step at world 4.
+   and until its torchrun exits. On etcd, with node 0's member the leader (the worst
+   case: rank 0's node and etcd's leader at once): -> first step at world 2 (rank 0 is
+   then on node 1), and node 0 back with its line (and member) -> first step at world 4.
 
 Restart runs with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the only way it can grow
 back, see docs/elastic.md) and --max-restarts=6; in place with docs/elastic.md's lines
@@ -100,14 +104,14 @@ def _windows(nodes, args, out):
     out["quiet_undisturbed"] = _undisturbed(before, win, 4)
     if nodes.etcd is None:
         return
-    etcd = nodes.etcd
-    lead = etcd.leader()
+    etcd, lead = nodes.etcd, 2
+    etcd.move_leader(lead)
+    time.sleep(args.warm)
     before = nodes.drain()
     t = time.time()
     nodes.mark(f"kill etcd leader m{lead}")
     etcd.kill(lead)
     win = nodes.window(args.window)
-    out["leader_member"] = f"m{lead}" + (f" (node {lead}'s)" if lead < 2 else " (no node's)")
     out["leader_median_gap_s"], out["leader_longest_gap_s"], end = _gaps(before, win)
     out["leader_longest_at_s"] = end[0] - t
     out["leader_longest_at_commit"] = end[2] % args.steps_per_epoch == 0
@@ -116,8 +120,12 @@ def _windows(nodes, args, out):
     etcd.wait_ready(60)
 
 
-def _loss_and_return(nodes, node, args, out, key):
-    """Kill node (with its member on etcd) -> world 2; start it again -> world 4."""
+def _loss_and_return(nodes, node, args, out, key, leads):
+    """Kill node (with its member on etcd, which leads if `leads`, else member 2 does)
+    -> world 2; start it again -> world 4."""
+    if nodes.etcd is not None:
+        nodes.etcd.move_leader(node if leads else 2)
+        out[f"{key}_member_led"] = leads
     time.sleep(args.warm)
     nodes.drain()
     out[f"{key}_rank0_before"] = nodes.rank0
@@ -156,12 +164,13 @@ def recover(line, args):
     nodes = None
     try:
         nodes = Nodes(line, args, tmp)
-        nodes.start(0)
+        nodes.start(0)                      # alone first, so that rank 0 is on node 0
+        nodes.first_step(2, START_S)
         nodes.start(1)
         nodes.first_step(4, START_S)
         if line != "restart":
             _windows(nodes, args, out)
-        _loss_and_return(nodes, 1, args, out, "node1")
+        _loss_and_return(nodes, 1, args, out, "node1", args.lost_member_leads)
         time.sleep(args.warm)
         nodes.drain()
         t = time.time()
@@ -183,7 +192,7 @@ def recover(line, args):
             if line == "agent":
                 _store_node_lost(nodes, args, out)
             else:
-                _loss_and_return(nodes, 0, args, out, "rank0")
+                _loss_and_return(nodes, 0, args, out, "rank0", True)
         nodes.stop()
         out["load_end"] = _load()
         return out
@@ -267,6 +276,10 @@ def print_recovery(rows, args):
         extra = ""
         if "rank0_exit_status" in r:
             extra = f"; node 1's torchrun exit status {r['rank0_exit_status']}"
+        if "node1_member_led" in r:
+            role = "the leader" if r["node1_member_led"] else "a follower"
+            extra = (f"; node 1's etcd member {role} when node 1 was killed, node 0's the "
+                     f"leader when node 0 was")
         print(f"  {NAMES[ln]}: rank 0 was on node {r.get('node1_rank0_before')} when node 1 "
               f"was killed, on node {r.get('rank0_rank0_before', '-')} when node 0 was"
               f"{extra}; load average {r['load_start']:.1f} -> {r.get('load_end', 0):.1f}")
@@ -289,7 +302,7 @@ def print_windows(rows, args):
           + "".join(f"{str(r[f'{k}_undisturbed']):>20}" for _, r, k in cols))
     if "etcd" in rows:
         r = rows["etcd"]
-        print(f"  the leader was {r['leader_member']}; the longest gap ended "
+        print(f"  the leader was member 2 (no node's); the longest gap ended "
               f"{r['leader_longest_at_s']:.2f} s after it was killed, "
               f"{'at' if r['leader_longest_at_commit'] else 'not at'} a commit (the first "
               f"step of an epoch)")
@@ -332,6 +345,9 @@ def main():
     ap.add_argument("--warm", type=float, default=3.0, help="seconds of steps before a change")
     ap.add_argument("--window", type=float, default=8.0,
                     help="seconds of steps in the quiet and the leader-lost windows")
+    ap.add_argument("--lost-member-leads", action="store_true",
+                    help="etcd: node 1's member is the leader when node 1 is killed (by "
+                         "default a follower; rank 0's node's member always leads)")
     ap.add_argument("--init-ranks", type=int, default=64)
     ap.add_argument("--init-runs", type=int, default=3, help="runs of each store; 0: none")
     ap.add_argument("--init-timeout", type=float, default=120.0)

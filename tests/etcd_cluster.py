@@ -135,6 +135,29 @@ class EtcdCluster:
         raise AssertionError(f"etcd members {self.alive()} agreed on no leader within "
                              f"{timeout} s; logs under {self.tmp}")
 
+    def move_leader(self, i, timeout=20):
+        """Make member i the leader (etcd's MoveLeader, asked of the current leader) and
+        return once the live members agree on it. Plain HTTP only."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lead = self.leader(max(deadline - time.monotonic(), 1))
+            if lead == i:
+                return
+            st = self.status(i)
+            if st is not None:
+                body = json.dumps({"targetID": st["header"]["member_id"]}).encode()
+                req = urllib.request.Request(
+                    self.client_url(lead) + "/v3/maintenance/transfer-leadership",
+                    data=body, method="POST")
+                try:
+                    self._opener(lead).open(req, timeout=5).read()
+                except OSError:
+                    pass
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"etcd member m{i} did not become the leader within "
+                                     f"{timeout} s; logs under {self.tmp}")
+            time.sleep(0.2)
+
     def wait_ready(self, timeout=30):
         """Wait until every live member serves and they agree on a leader."""
         if not self.tls:
