@@ -105,7 +105,8 @@ class Nodes:
         self.lines = {0: [], 1: []}      # node -> [(time, text)]
         self.eof = {}                    # node -> time its output ended
         self.exited = {}                 # node -> (time its launcher exited, status)
-        self.rank0 = None                # the node of the last step seen
+        self.rank0 = None                # the node of the last step read
+        self.last_t = None               # the time of the last step read
         self.events = []                 # (time, what the driver did), for --logs
         self.etcd = etcd_cluster(tmp) if line == "etcd" else None
 
@@ -209,6 +210,7 @@ class Nodes:
                                        + self.tail()) from None
                 break
             last = (t, w, g)
+        self.last_t = last[0]
         return last
 
     def steps(self, timeout):
@@ -220,6 +222,7 @@ class Nodes:
                 t, w, g, self.rank0 = self.q.get(timeout=0.5)
             except queue.Empty:
                 continue
+            self.last_t = t
             yield t, w, g
         raise RuntimeError(f"{self.line}: nothing expected within {timeout} s\n"
                            + self.tail())
@@ -227,8 +230,9 @@ class Nodes:
     def first_step(self, world, timeout, after=0.0):
         """Steps until one at this world size done after time `after` (world None: the
         first one after the change took effect: at another size than 4, or after a
-        pause of a second): (its time, the longest gap seen, its global step number)."""
-        last, gap = None, 0.0
+        pause of a second): (its time, the longest gap seen since the last step read
+        before, its global step number)."""
+        last, gap = self.last_t, 0.0
         for t, w, g in self.steps(timeout):
             pause = t - last if last is not None else 0.0
             gap = max(gap, pause)
