@@ -3,7 +3,7 @@ place with the job's store in node 0's torchrun agent (today's line), and in pla
 the job's store in etcd; and init at 64 ranks over an EtcdStore against the agent-style
 TCPStore.
 
-    python benchmarks/elastic.py                         # all of it (about 8 min, 2 cores)
+    python benchmarks/elastic.py                         # all of it (about 9 min, 2 cores)
     python benchmarks/elastic.py --lines agent,etcd      # the in-place lines only
     python benchmarks/elastic.py --init-runs 0           # no init part
     python benchmarks/elastic.py --lines "" --init-runs 5   # the init part alone
