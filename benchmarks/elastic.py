@@ -8,6 +8,7 @@ TCPStore.
     python benchmarks/elastic.py --init-runs 0           # no init part
     python benchmarks/elastic.py --lines "" --init-runs 5   # the init part alone
     python benchmarks/elastic.py --json out.json         # also every figure as JSON
+    python benchmarks/elastic.py --logs DIR              # and every node's output
 
 **Recovery** (``--lines``, default ``restart,agent,etcd``; benchmarks/elastic_nodes.py
 starts the nodes). Two "nodes" on loopback, each a stock torchrun agent
