@@ -198,10 +198,14 @@ class Lines:
                 return False
 
 
-def run_ranks(args, kind, n):
+def run_ranks(args, kind, n, etcd=None):
     """One world of n ranks of kind "pyddp", "gloo" (processes) or "gloo-threads" (see
     the module docstring) against a store server hosted here (pyddp's; torch's TCPStore
-    for "gloo"); the result dict (ok False with the reason)."""
+    for "gloo"); the result dict (ok False with the reason). etcd ("etcd://M1,M2,..."),
+    for "pyddp" only: the ranks' store is that etcd cluster instead, as for a worker of
+    ``--rdzv-backend=pyddp --rdzv-endpoint=etcd://...`` (PYDDP_RDZV_STORE, and a run id
+    of this run's own: keys in a namespace nobody else uses; no request count)."""
+    host = "127.0.0.1"
     if kind == "gloo":
         import torch.distributed as tdist
         from datetime import timedelta
@@ -209,15 +213,20 @@ def run_ranks(args, kind, n):
                                 timeout=timedelta(seconds=args.timeout),
                                 wait_for_workers=False)
         srv, port = None, tstore.port
+    elif etcd is not None:
+        tstore, srv = None, None      # MASTER_ADDR/PORT: the first member, as torchrun's
+        host, port = etcd[len("etcd://"):].split(",")[0].rsplit(":", 1)
     else:
         from pyddp import _C
         tstore, srv = None, _C.StoreServer()
         port = srv.start("127.0.0.1", 0)
     requests = lambda: srv.requests if srv is not None else None  # noqa: E731
     env = base_env(args)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    env.update(MASTER_ADDR=host, MASTER_PORT=str(port),
                TORCHELASTIC_USE_AGENT_STORE="True", TORCH_GLOO_LAZY_INIT="1",
                TORCH_CPP_LOG_LEVEL="ERROR", SCALE_STORE_FIRST="1" if args.store_first else "0")
+    if etcd is not None:
+        env.update(PYDDP_RDZV_STORE=etcd, TORCHELASTIC_RUN_ID=f"scale-{time.time_ns()}")
     gates = [os.pipe() for _ in range(3)]
     rep_r, rep_w = os.pipe()
     child_fds = [g[0] for g in gates] + [rep_w]

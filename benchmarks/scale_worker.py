@@ -21,7 +21,9 @@ Modes:
         forked ranks share the imported pages, so hundreds fit); each rank sets RANK
         and WORLD_SIZE and calls pyddp.init_process_group() the env:// way against the
         store the launcher hosts at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE
-        =True: as under torchrun, no rank hosts it).
+        =True: as under torchrun, no rank hosts it); with PYDDP_RDZV_STORE=etcd://...
+        (benchmarks/elastic.py's init part) the store is that etcd cluster instead, in
+        the namespace of TORCHELASTIC_RUN_ID, as for a worker of pyddp's rendezvous.
   gloo-fork N ITERS TIMEOUT_S G0 G1 G2 REP    the same for torch's gloo: a zygote imports
         torch and torch.distributed once and forks N ranks; each sets RANK and
         WORLD_SIZE and calls torch.distributed.init_process_group("gloo",
@@ -108,7 +110,8 @@ def forked_rank(rank, n, iters, timeout_s, gates, rep, lib):
 
 
 def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
-    """One pyddp rank: init_process_group("cpu") the env:// way."""
+    """One pyddp rank: init_process_group("cpu") the env:// way, or with its store (a
+    TCPStore client, or an EtcdStore) passed in."""
     import numpy as np
     import pyddp
     def init(t, store, rank, n):
@@ -116,7 +119,14 @@ def pyddp_rank(rank, n, iters, timeout_s, gates, rep):
             pyddp.init_process_group("cpu", timeout=t)
         else:
             pyddp.init_process_group("cpu", timeout=t, store=store, rank=rank, world_size=n)
-    lib = SimpleNamespace(init=init, connect=lambda h, p, t: pyddp.TCPStore(h, p, timeout=t),
+    def connect(host, port, t):
+        etcd = os.environ.get("PYDDP_RDZV_STORE", "")
+        if etcd.startswith("etcd://"):          # the job's store a torchrun worker gets
+            from pyddp._rendezvous import job_namespace
+            return pyddp.EtcdStore(etcd, job_namespace(os.environ["TORCHELASTIC_RUN_ID"]),
+                                   timeout=t)
+        return pyddp.TCPStore(host, port, timeout=t)
+    lib = SimpleNamespace(init=init, connect=connect,
                           zeros=lambda: np.zeros(1, dtype=np.float64),
                           all_reduce=pyddp.all_reduce, value=lambda x: float(x[0]),
                           destroy=pyddp.destroy_process_group)

@@ -6,6 +6,8 @@ The binary is Debian's ``etcd-server`` (``apt-get install etcd-server``; ``.ci/r
 installs it). Without it the tests that need it skip, except under ``CI=true``, where
 they fail: CI must run them. ``tls_files`` makes a CA, a server certificate for the
 members' addresses and a client certificate with the ``openssl`` command.
+benchmarks/elastic.py starts its members with ``EtcdCluster`` too (pytest is then
+imported only if the binary is missing).
 """
 import json
 import os
@@ -16,8 +18,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
-
 from launch import free_port
 
 
@@ -26,6 +26,7 @@ def etcd_binary():
     path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd")
                                     else None)
     if path is None:
+        import pytest
         msg = "etcd is not installed (Debian: apt-get install etcd-server)"
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
@@ -134,6 +135,29 @@ class EtcdCluster:
         raise AssertionError(f"etcd members {self.alive()} agreed on no leader within "
                              f"{timeout} s; logs under {self.tmp}")
 
+    def move_leader(self, i, timeout=20):
+        """Make member i the leader (etcd's MoveLeader, asked of the current leader) and
+        return once the live members agree on it. Plain HTTP only."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lead = self.leader(max(deadline - time.monotonic(), 1))
+            if lead == i:
+                return
+            st = self.status(i)
+            if st is not None:
+                body = json.dumps({"targetID": st["header"]["member_id"]}).encode()
+                req = urllib.request.Request(
+                    self.client_url(lead) + "/v3/maintenance/transfer-leadership",
+                    data=body, method="POST")
+                try:
+                    self._opener(lead).open(req, timeout=5).read()
+                except OSError:
+                    pass
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"etcd member m{i} did not become the leader within "
+                                     f"{timeout} s; logs under {self.tmp}")
+            time.sleep(0.2)
+
     def wait_ready(self, timeout=30):
         """Wait until every live member serves and they agree on a leader."""
         if not self.tls:
@@ -191,6 +215,7 @@ def tls_files(tmp, addrs=("127.0.0.1",)):
     """A CA, a server certificate for addrs (IP SANs) and a client certificate, made with
     the openssl command: {"ca", "server_cert", "server_key", "client_cert",
     "client_key"} (paths)."""
+    import pytest
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is not installed")
     d = tmp / "tls"
