@@ -106,7 +106,9 @@ static const ddp_setting_decl table[] = {
      "bandwidth-path algorithm across hosts: `auto` (hierarchical when the group spans "
      "several hosts and some host has several of its ranks, else the flat ring; a broadcast "
      "keeps the flat chain where it already enters each host once), `flat` or `hier` "
-     "(forced, where the layout allows it; for tests and benchmarks)", "CPU transport"},
+     "(forced, where the layout allows it; for tests and benchmarks), or `block` (flat, and "
+     "a group on one host runs the ring's blocks one after another instead of slice by "
+     "slice: the all-reduce before slices, for comparisons)", "CPU transport"},
     {"PYDDP_HIER_MIN_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 0, NOMAX, CORE,
      "with `PYDDP_ALGO=auto`, messages from this size up take the hierarchical algorithms "
      "(smaller ones the flat ring, whose fewer stages cost less latency)", "CPU transport"},

@@ -136,8 +136,8 @@ static PyObject *pg_subgroup(PGObject *self, PyObject *args) {
     unsigned long long tag;
     int algo = -1;
     if (!PyArg_ParseTuple(args, "OK|i", &ranks, &tag, &algo)) return NULL;
-    if (algo < -1 || algo > DDP_ALGO_HIER)
-        return ddp_py_raise(DDP_ERR_INVALID, "algo must be -1 (PYDDP_ALGO) or 0..2");
+    if (algo < -1 || algo > DDP_ALGO_BLOCK)
+        return ddp_py_raise(DDP_ERR_INVALID, "algo must be -1 (PYDDP_ALGO) or 0..3");
     if (cpu_comm(self) == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence of ints");
