@@ -255,9 +255,12 @@ ddp_status ddp_coll_slice_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wa
     ddp_coll_block(a->count, n, 0, &off, &maxlen); /* block 0 is a longest one */
     const size_t nslices = (maxlen + c.se - 1) / c.se;
     const size_t room = 2 * DDP_COLL_SLICE_BYTES;
+    /* Every link with direct access starts the data 64-byte aligned, whatever
+     * this rank's way (both ends pad alike), so elements never straddle a
+     * cache line and the kernels get aligned pointers. */
+    if ((st = ddp_link_direct_align(c.next, c.prev, 64, w)) != DDP_OK) return st;
     if (ddp_link_direct(c.next) && ddp_link_direct(c.prev) && c.next->direct_room >= room &&
-        c.prev->direct_room >= room)
-    {
+        c.prev->direct_room >= room) {
         c.stream = a->count * c.es >= STREAM_MIN_BYTES;
         st = run_direct(&c, nslices);
 #if defined(__SSE2__)

@@ -332,6 +332,38 @@ ddp_status ddp_link_wait_direct(ddp_link *rx, size_t rmin, ddp_link *tx, size_t 
     return ddp_link_xfer(x, n, w);
 }
 
+ddp_status ddp_link_direct_align(ddp_link *tx, ddp_link *rx, size_t align, ddp_wait w) {
+    if (tx && tx->ops->direct_pos == NULL) tx = NULL;
+    if (rx && rx->ops->direct_pos == NULL) rx = NULL;
+    if (rx && rx->held_len > 0)
+        return ddp_error(DDP_ERR_INTERNAL, "aligning the stream from %s with %zu bytes held "
+                         "back", rx->desc, rx->held_len);
+    size_t tpad = tx ? (size_t)(-tx->ops->direct_pos(tx, 1) & (align - 1)) : 0;
+    size_t rpad = rx ? (size_t)(-rx->ops->direct_pos(rx, 0) & (align - 1)) : 0;
+    while (tpad > 0 || rpad > 0) {
+        const void *rp;
+        void *tp;
+        size_t rn = 0, tn = 0;
+        ddp_status st = DDP_OK;
+        if (tpad > 0 && (st = tx->ops->tx_reserve(tx, 1, &tp, &tn)) == DDP_OK && tn > 0) {
+            if (tn > tpad) tn = tpad;
+            memset(tp, 0, tn);
+            tx->ops->tx_commit(tx, tn);
+            tpad -= tn;
+        }
+        if (st == DDP_OK && rpad > 0 && (st = rx->ops->rx_peek(rx, 1, &rp, &rn)) == DDP_OK &&
+            rn > 0) {
+            if (rn > rpad) rn = rpad;
+            rx->ops->rx_consume(rx, rn);
+            rpad -= rn;
+        }
+        if (st == DDP_OK && (tpad > 0 || rpad > 0) && tn == 0 && rn == 0)
+            st = ddp_link_wait_direct(rpad ? rx : NULL, 1, tpad ? tx : NULL, 1, w);
+        if (st != DDP_OK) return st;
+    }
+    return DDP_OK;
+}
+
 ddp_status ddp_link_unread(ddp_link *l, const void *buf, size_t n) {
     if (n == 0) return DDP_OK;
     if (n > DDP_LINK_HELD_MAX - l->held_len)

@@ -17,6 +17,7 @@
 
 #include <poll.h>
 #include <stddef.h>
+#include <stdint.h>
 #include "ddp_clock.h"
 #include "ddp_status.h"
 
@@ -70,6 +71,10 @@ typedef struct ddp_link_ops {
     void (*rx_consume)(ddp_link *l, size_t k);
     ddp_status (*tx_reserve)(ddp_link *l, size_t min, void **p, size_t *n);
     void (*tx_commit)(ddp_link *l, size_t k);
+    /* Bytes this end has sent (send) or taken (receive) through its buffers
+     * so far: at the same point of the stream both ends count the same, so
+     * they agree on the padding that aligns it (ddp_link_direct_align). */
+    uint64_t (*direct_pos)(ddp_link *l, int send);
 } ddp_link_ops;
 
 /* Largest `min` of the direct-access ops: one element of any dtype. */
@@ -143,6 +148,13 @@ int ddp_link_direct(const ddp_link *l);
  * direct (ddp_link_direct); rx and tx may be the same link. */
 ddp_status ddp_link_wait_direct(ddp_link *rx, size_t rmin, ddp_link *tx, size_t tmin,
                                 ddp_wait w);
+
+/* Pad the stream to a multiple of align (a power of two, at most 4096) on
+ * every link given that has the direct-access ops: tx's sending side writes
+ * the padding, rx's receiving side skips it (either may be NULL). Both ends
+ * of a link must call it at the same point of its stream; links without the
+ * ops are left alone (and so are both their ends). By w. */
+ddp_status ddp_link_direct_align(ddp_link *tx, ddp_link *rx, size_t align, ddp_wait w);
 
 /* The direct-access ops of a direct link (contract at ddp_link_ops). */
 static inline ddp_status ddp_link_rx_peek(ddp_link *l, size_t min, const void **p,

@@ -400,6 +400,7 @@ static const ddp_link_ops shm_ops = {
     .rx_consume = ddp_shm_rx_consume,
     .tx_reserve = ddp_shm_tx_reserve,
     .tx_commit = ddp_shm_tx_commit,
+    .direct_pos = ddp_shm_direct_pos,
 };
 
 static size_t cma_min_bytes(void) {

@@ -154,6 +154,15 @@ ddp_status ddp_shm_tx_reserve(ddp_link *l, size_t min, void **p, size_t *n) {
     return DDP_OK;
 }
 
+/* Ring bytes: the producer's head, the consumer's tail (a descriptor's
+ * bytes, which never pass the ring, are counted by neither end). Asked
+ * between messages, when rxb holds nothing: a message's bytes are pulled
+ * into rxb only while it is being read. */
+uint64_t ddp_shm_direct_pos(ddp_link *l, int send) {
+    shm_impl *s = l->impl;
+    return send ? s->tx_head : s->rx_tail;
+}
+
 void ddp_shm_tx_commit(ddp_link *l, size_t k) {
     shm_impl *s = l->impl;
     if (k == 0) return;

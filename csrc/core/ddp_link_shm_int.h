@@ -142,5 +142,6 @@ ddp_status ddp_shm_rx_peek(ddp_link *l, size_t min, const void **p, size_t *n);
 void ddp_shm_rx_consume(ddp_link *l, size_t k);
 ddp_status ddp_shm_tx_reserve(ddp_link *l, size_t min, void **p, size_t *n);
 void ddp_shm_tx_commit(ddp_link *l, size_t k);
+uint64_t ddp_shm_direct_pos(ddp_link *l, int send);
 
 #endif
