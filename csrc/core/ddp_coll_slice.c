@@ -47,7 +47,7 @@
 #define DDP_COLL_SLICE_BYTES ((size_t)256 << 10)
 /* Most bytes combined per step of a direct message: what stays in L1/L2
  * between combining and forwarding, and how often the peer sees progress. */
-#define PIECE_BYTES ((size_t)32 << 10)
+#define PIECE_BYTES ((size_t)64 << 10)
 /* Peeks a waiting rank spins through before it waits in the link driver. */
 #define SPINS 1u
 /* Buffers from this size up are written back with streaming stores. */
