@@ -106,7 +106,6 @@ static ddp_status comm_alloc(const ddp_comm_config *cfg, ddp_comm **out) {
     c->size = cfg->size;
     c->timeout_ms = cfg->timeout_ms;
     c->root = c;
-    c->lfd = -1;
     atomic_init(&c->refs, 1);
     atomic_init(&c->queued, 0);
     atomic_init(&c->acceptor_stop, 0);

@@ -48,7 +48,7 @@
 #include "ddp_pg.h"
 #include "ddp_store.h"
 
-#define DDP_WIRE_VERSION 4
+#define DDP_WIRE_VERSION 5
 
 typedef struct ddp_comm ddp_comm;
 typedef struct ddp_work ddp_work;

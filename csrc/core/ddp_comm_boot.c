@@ -359,8 +359,8 @@ static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_st
 }
 
 /* Steps 1-4 on a root allocated by ddp_comm.c (rank, size, timeout and the
- * per-rank arrays set). Leaves what it made in c (lfd included) for the
- * caller to free on failure. */
+ * per-rank arrays set). Leaves what it made in c (its data-port registration
+ * included) for the caller to free on failure. */
 ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store) {
     ddp_status st;
     int port = 0;
@@ -374,7 +374,7 @@ ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store
     st = ddp_auth_get(&c->auth);   /* a bad token file or no libcrypto fails here */
     if (st != DDP_OK) return ddp_error_prefix(st, "rank %d: ", c->rank);
     if (cfg->size > 1) {
-        st = ddp_sock_listen(cfg->bind_host, 0, cfg->port_lo, cfg->port_hi, &c->lfd, &port);
+        st = ddp_comm_listen(c, cfg->bind_host, cfg->port_lo, cfg->port_hi, &port);
         if (st != DDP_OK) return ddp_error_prefix(st, "rank %d opening its data port: ", c->rank);
     }
     if ((st = exchange_lines(c, cfg, store, port, c->nsocks, w, t0)) != DDP_OK) return st;

@@ -72,7 +72,8 @@ struct ddp_comm {
     char *stall_prefix;
 
     /* Links on first use (ddp_comm_link.c); root only. */
-    int lfd;               /* the data port, listening for the communicator's life, or -1 */
+    struct ddp_listen_reg *lreg; /* this group's registration with the process's data
+                            * port (ddp_listen.h), from rendezvous to destroy */
     int nsocks;            /* sockets per TCP pair (PYDDP_NSOCKS_PERPEER, the same everywhere) */
     uint64_t link_tag;     /* the group tag every hello carries */
     const struct ddp_auth *auth;  /* PYDDP_AUTH_TOKEN, or NULL */
@@ -81,11 +82,8 @@ struct ddp_comm {
     char slot_err[700];    /* why the acceptor last failed a peer's connection (mu) */
     ddp_status slot_st;    /* and its status */
     pthread_cond_t link_cv;/* signalled under mu when a slot changes or the comm breaks */
-    pthread_t acceptor;
-    int has_acceptor;
-    atomic_int acceptor_stop;
+    atomic_int acceptor_stop; /* set at destroy: serving a peer's connection gives up */
     int nlinks;            /* links made so far (mu) */
-    int wire_warned;       /* the acceptor said it turned away another wire version */
 };
 
 /* What a root knows of its link to one peer (slot[], under mu). */
@@ -129,8 +127,11 @@ int ddp_comm_same_host(const ddp_comm *c, int r);
  * new link (which owns the TCP one); unchanged for peers on other hosts. */
 ddp_status ddp_comm_pair_shm(ddp_comm *c, int p, int accepting, ddp_link **l, ddp_wait w);
 
-/* Links on first use (ddp_comm_link.c). Start / stop the acceptor thread of
- * root c (after the rendezvous; stop joins it and frees what it held). */
+/* Links on first use (ddp_comm_link.c). ddp_comm_listen registers root c
+ * with the process's data port (its port in *port) at rendezvous; links_start
+ * (after the rendezvous) lets peers' connections in; links_stop unregisters
+ * (no connection is served for c after it returns) and frees what was held. */
+ddp_status ddp_comm_listen(ddp_comm *c, const char *bind_host, int lo, int hi, int *port);
 ddp_status ddp_comm_links_start(ddp_comm *c);
 void ddp_comm_links_stop(ddp_comm *c);
 /* The connect hook of every group over root c (ddp_group.connect): the link
