@@ -50,6 +50,7 @@ void ddp_comm_abort(ddp_comm *c, const char *reason) {
 
 
 int ddp_comm_rank(const ddp_comm *c) { return c->rank; }
+const char *ddp_comm_prefix(const ddp_comm *c) { return c->root->prefix; }
 uint64_t ddp_comm_tag(const ddp_comm *c) { return c->group.tag; }
 int ddp_comm_size(const ddp_comm *c) { return c->size; }
 int ddp_comm_world_rank(const ddp_comm *c, int r) { return c->members ? c->members[r] : r; }
@@ -132,7 +133,7 @@ ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store, ddp_com
     ddp_status st;
     DDP_CHECK(comm_alloc(cfg, &c), fail);
     DDP_CHECK(ddp_comm_bootstrap(c, cfg, store), fail);
-    DDP_CHECK(group_init(c, ddp_comm_hash(cfg->prefix)), fail);
+    DDP_CHECK(group_init(c, ddp_comm_hash(c->prefix)), fail);
     DDP_CHECK(ddp_comm_links_start(c), fail);
     if (pthread_create(&c->worker, NULL, ddp_comm_worker_main, c) != 0) {
         st = ddp_error(DDP_ERR_SYS, "could not start the communication thread: %s", strerror(errno));
@@ -228,6 +229,7 @@ static void comm_free(ddp_comm *c) {
     free(c->host_ids);
     ddp_store_release(c->stall_store);
     free(c->stall_prefix);
+    free(c->prefix);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->link_cv);

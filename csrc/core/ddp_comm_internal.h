@@ -36,6 +36,7 @@ struct ddp_comm {
                             * subgroup: [size] its cache of the root's links */
     ddp_link **glinks;     /* root: [size] the root group's cache of links (group.links) */
     char **lines;          /* [size] rendezvous lines (root only) */
+    char *prefix;          /* the group's store key prefix, round included (root only) */
     char **desc;           /* [size] "rank r (host:port)" (root owns; subgroup borrows) */
     char **host_ids;       /* [size] host identities (root owns; subgroup borrows) */
     ddp_group group;       /* worker-thread state for the algorithms */
@@ -109,6 +110,37 @@ void ddp_comm_break(ddp_comm *c, const char *reason);
 /* The worker thread of a root communicator (ddp_comm_queue.c): runs queued
  * work in order until the root is stopping and the queue is empty. */
 void *ddp_comm_worker_main(void *arg);
+
+/* Pieces of the rendezvous (ddp_comm_boot.c), shared with the round
+ * agreement (ddp_comm_round.c):
+ * ddp_comm_line: this rank's line (version, wire, address, port, host
+ * identity, nsocks), malloc'd, NULL when out of memory.
+ * ddp_comm_gather (rank 0): the lines of ranks first..size-1 into c->lines,
+ * from the keys fmt (printf with cfg->prefix and the rank, a size_t) makes:
+ * one WAIT for all, one MULTI_GET; a rank that never came is named. With t0
+ * != 0 it waits in slices watching for authentication failures since t0.
+ * ddp_comm_verdict (rank 0, after gathering with status st): with check,
+ * versions and settings checked; the member table, or the error text every
+ * rank then raises ("error <status>", a newline, the message); *table
+ * malloc'd (NULL when out of memory).
+ * ddp_comm_read_table: fill c->lines from rank 0's table, or fail with its
+ * verdict. ddp_comm_wait_get: key's value (NUL-terminated, malloc'd), waiting
+ * for it by w; with t0 != 0 in slices watching for authentication failures;
+ * DDP_ERR_TIMEOUT without a message when w expires. */
+char *ddp_comm_line(ddp_comm *c, const ddp_comm_config *cfg, int port);
+ddp_status ddp_comm_gather(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                           const char *fmt, size_t first, ddp_wait w, int64_t t0);
+ddp_status ddp_comm_verdict(ddp_comm *c, ddp_status st, int check, char **table);
+ddp_status ddp_comm_read_table(ddp_comm *c, char *tab);
+ddp_status ddp_comm_wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                             const char *key, const char *what, ddp_wait w, int64_t t0,
+                             char **val);
+
+/* The round agreement (ddp_comm_round.c), for cfg->agree_round: publish
+ * line, agree on a round with the other ranks and read rank 0's table into
+ * c->lines; *prefix (malloc'd) is "<cfg->prefix>/<round>". */
+ddp_status ddp_comm_agree(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                          const char *line, ddp_wait w, char **prefix);
 
 /* Field `name` of a "k=v;k=v" rendezvous line into out (ddp_comm_boot.c):
  * 0 if found, else -1 and out = "". */

@@ -8,8 +8,10 @@
  * (bounded: a peer that dialed sends it at once), and handed to the
  * registration its tag and rank name, which is marked busy for the call so
  * that detach can wait for it. A hello of another wire version is turned
- * away (said once per process), one naming nothing registered is refused
- * with DDP_HELLO_GONE, a stray or silent connection closed.
+ * away (said once per process); one naming a registration that left is
+ * refused with DDP_HELLO_GONE at once, one naming nothing registered when
+ * nothing turns up within READY_MS (a group still agreeing on its round has
+ * not its final tag yet); a stray or silent connection is closed.
  */
 #include "ddp_listen.h"
 
@@ -30,6 +32,7 @@
 #define ACCEPTOR_STACK ((size_t)256 << 10)
 #define HELLO_MS 5000              /* a dialer sends its hello at once */
 #define READY_MS 10000             /* how long a connection waits for ddp_listen_ready */
+#define GONE_KEPT 64               /* registrations that left, remembered per listener */
 
 typedef struct listener listener;
 
@@ -50,6 +53,11 @@ struct listener {
     atomic_int stop;
     pthread_t threads[ACCEPTORS];
     int nthreads;
+    struct {
+        uint64_t tag;
+        int rank, set;
+    } gone[GONE_KEPT];             /* the last registrations that left: refused at once */
+    int gone_next;
     int dead;                      /* a forked child's copy: no socket, no thread */
     ddp_listen_reg *regs;
     listener *next;
@@ -116,14 +124,23 @@ static ddp_listen_reg *find(listener *l, uint64_t tag, int rank) {
     return NULL;
 }
 
+/* Whether (tag, rank) left l lately; with g_mu held. */
+static int left(const listener *l, uint64_t tag, int rank) {
+    for (int i = 0; i < GONE_KEPT; i++)
+        if (l->gone[i].tag == tag && l->gone[i].rank == rank && l->gone[i].set) return 1;
+    return 0;
+}
+
 /* Hand fd (hello h) to its registration once it is ready; refuse it when
- * there is none (or it goes away meanwhile). */
+ * it left, or when none is ready in time. A registration not there yet may
+ * still be agreeing on its round (its tag is the round's: ddp_listen_retag). */
 static void dispatch(listener *l, int fd, const ddp_hello *h) {
     char addr[DDP_ADDR_MAX + 16];
     ddp_wait w = ddp_wait_for(READY_MS, &l->stop);
     pthread_mutex_lock(&g_mu);
     ddp_listen_reg *r = find(l, h->tag, h->to);
-    while (r && !r->ready && !ddp_wait_expired(w) && !ddp_wait_aborted(w)) {
+    while ((r == NULL || !r->ready) && !left(l, h->tag, h->to) && !ddp_wait_expired(w) &&
+           !ddp_wait_aborted(w)) {
         ddp_wait_cond(&g_cv, &g_mu, w);
         r = find(l, h->tag, h->to);
     }
@@ -259,6 +276,13 @@ ddp_status ddp_listen_attach(uint64_t tag, int rank, const char *bind_host, int 
     return st;
 }
 
+void ddp_listen_retag(ddp_listen_reg *r, uint64_t tag) {
+    if (r == NULL) return;
+    pthread_mutex_lock(&g_mu);
+    r->tag = tag;
+    pthread_mutex_unlock(&g_mu);
+}
+
 void ddp_listen_ready(ddp_listen_reg *r) {
     pthread_mutex_lock(&g_mu);
     r->ready = 1;
@@ -276,6 +300,10 @@ void ddp_listen_detach(ddp_listen_reg *r) {
     ddp_listen_reg **pp = &l->regs;
     while (*pp != r) pp = &(*pp)->next;
     *pp = r->next;
+    l->gone[l->gone_next].tag = r->tag;
+    l->gone[l->gone_next].rank = r->rank;
+    l->gone[l->gone_next].set = 1;
+    l->gone_next = (l->gone_next + 1) % GONE_KEPT;
     if (l->regs == NULL) {   /* its last one: off the list, closed below */
         listener **lp = &g_list;
         while (*lp != l) lp = &(*lp)->next;

@@ -36,11 +36,16 @@ typedef void (*ddp_listen_serve)(void *ctx, int fd, const ddp_hello *h, const ch
 /* Register (tag, rank) with the process's listener for bind_host ("" or NULL:
  * all interfaces) and port range lo..hi (0, 0: any port), opening it if
  * needed; *port is its port. Connections for the registration are held
- * (their acceptor waits, up to 10 s) until ddp_listen_ready. DDP_ERR_INVALID
+ * (their acceptor waits, up to 10 s) until ddp_listen_ready, and so are
+ * connections naming a tag nobody registered (yet). DDP_ERR_INVALID
  * if (tag, rank) is registered already; the listen errors of ddp_sock_listen. */
 ddp_status ddp_listen_attach(uint64_t tag, int rank, const char *bind_host, int lo, int hi,
                              ddp_listen_serve serve, void *ctx, int *port,
                              ddp_listen_reg **out);
+
+/* Change r's tag (before ddp_listen_ready: the group's tag is known only
+ * once its rendezvous agreed on a round). NULL is a no-op. */
+void ddp_listen_retag(ddp_listen_reg *r, uint64_t tag);
 
 /* From now on connections for r are handed to its serve function. */
 void ddp_listen_ready(ddp_listen_reg *r);
