@@ -246,6 +246,7 @@ void ddp_comm_destroy(ddp_comm *c) {
     if (c != root) {
         pthread_mutex_lock(&root->mu);
         c->destroyed = 1;
+        pthread_cond_broadcast(&root->link_cv);   /* wait_used's waiters */
         pthread_mutex_unlock(&root->mu);
         ddp_comm_release(c);
         return;
@@ -278,6 +279,7 @@ void ddp_comm_destroy(ddp_comm *c) {
     pthread_mutex_lock(&c->mu);
     c->stopping = 1;
     c->destroyed = 1;
+    pthread_cond_broadcast(&c->link_cv);   /* wait_used's waiters */
     for (int r = 0; c->links && r < c->size; r++) {
         ddp_link_free(c->links[r]);
         c->links[r] = NULL;
@@ -372,10 +374,23 @@ static void pg_set_stall_store(void *impl, ddp_store *s, const char *prefix) {
 
 static int pg_pending(void *impl) { return ddp_comm_pending(impl); }
 
+/* ddp_pg_info.wait_used: on the root's link_cv, which record_locked
+ * broadcasts on the first call, and break and destroy on theirs. */
+static int pg_wait_used(void *impl, ddp_wait w) {
+    ddp_comm *g = impl, *c = g->root;
+    pthread_mutex_lock(&c->mu);
+    int done;
+    while (!(done = c->used || c->broken || c->stopping || c->destroyed || g->destroyed) &&
+           !ddp_wait_expired(w) && !ddp_wait_aborted(w))
+        ddp_wait_cond(&c->link_cv, &c->mu, w);
+    pthread_mutex_unlock(&c->mu);
+    return done;
+}
+
 static const ddp_pg_info comm_pg_info = {
     .tag = pg_tag, .peer_desc = pg_peer_desc, .host_id = pg_host_id,
     .transport = pg_transport, .flight = pg_flight, .progress = pg_progress,
-    .set_stall_store = pg_set_stall_store, .pending = pg_pending,
+    .set_stall_store = pg_set_stall_store, .pending = pg_pending, .wait_used = pg_wait_used,
 };
 
 static const ddp_pg_ops comm_pg_ops = {

@@ -69,6 +69,7 @@ struct ddp_comm {
     char broken_msg[1400];
     atomic_int abort_flag; /* set when broken: every wait returns ABORTED */
     ddp_flight flight;     /* the last collectives of every group (mu) */
+    int used;              /* a collective was recorded, on any group over the root (mu) */
     ddp_store *stall_store; /* where a timeout is announced (ddp_comm_set_stall_store) */
     char *stall_prefix;
 

@@ -263,6 +263,7 @@ static void serve_first(ddp_comm *c, int fd, const ddp_hello *h, const char *add
             pthread_mutex_lock(&c->mu);
             ddp_pend *old = c->pend[p];
             c->pend[p] = pd;
+            pthread_cond_broadcast(&c->link_cv);   /* serve_extra may wait for it */
             pthread_mutex_unlock(&c->mu);
             free(old);
             return;   /* published once its extra connections are there */
@@ -286,6 +287,11 @@ static void serve_extra(ddp_comm *c, int fd, const ddp_hello *h, const char *add
     ddp_hello_purpose(c->link_tag, p, c->rank, c->size, k, purpose, sizeof purpose);
     ddp_wait w = ddp_wait_for(ACCEPT_STEP_MS, &c->acceptor_stop);
     pthread_mutex_lock(&c->mu);
+    /* The peer dials its extra sockets once its first one was answered: the
+     * thread serving that one may not have set the link aside yet. */
+    while (c->pend[p] == NULL && c->slot[p] == DDP_SLOT_INCOMING && !ddp_wait_expired(w) &&
+           !ddp_wait_aborted(w))
+        ddp_wait_cond(&c->link_cv, &c->mu, w);
     int expected = c->pend[p] != NULL && c->pend[p]->fds[k] < 0;
     pthread_mutex_unlock(&c->mu);
     if (!expected || ddp_hello_accept(fd, h, c->auth, purpose, w, addr) != DDP_OK) {

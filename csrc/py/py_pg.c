@@ -304,6 +304,9 @@ static PyMethodDef pg_methods[] = {
      "flight_record() -> [dict]: the last 64 collectives of this process's communicator"},
     {"pending", (PyCFunction)ddp_py_pg_pending, METH_NOARGS,
      "pending() -> works queued or running on this group's communicator (0 once destroyed)"},
+    {"wait_used", (PyCFunction)ddp_py_pg_wait_used, METH_VARARGS,
+     "wait_used(timeout_ms) -> bool: True once the communicator ran or queued its first "
+     "collective (any group over it), broke or was destroyed; False at the timeout"},
     {"progress", (PyCFunction)ddp_py_pg_progress, METH_NOARGS,
      "progress() -> {submitted, completed, last_done, tag} of this group"},
     {"set_stall_store", (PyCFunction)ddp_py_pg_set_stall_store, METH_VARARGS,
