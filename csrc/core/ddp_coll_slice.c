@@ -48,8 +48,9 @@
 /* Most bytes combined per step of a direct message: what stays in L1/L2
  * between combining and forwarding, and how often the peer sees progress. */
 #define PIECE_BYTES ((size_t)64 << 10)
-/* Peeks a waiting rank spins through before it waits in the link driver. */
-#define SPINS 1u
+/* Calls from this size up take the slices; smaller ones (a slice or two per
+ * block) gain nothing from the pipeline and keep the block ring. */
+#define SLICE_MIN_BYTES ((size_t)512 << 10)
 /* Buffers from this size up are written back with streaming stores. */
 #define STREAM_MIN_BYTES ((size_t)8 << 20)
 
@@ -119,31 +120,23 @@ static void copy_out(const slicer *c, char *dst, const void *src, size_t m) {
     memcpy(dst, src, m);
 }
 
-/* Nothing to peek on rx or no room on tx (NULL: not waited for): spin a
- * little first (the peer is usually a piece away), then wait with the
- * link driver's deadline, abort flag and parking. */
-static ddp_status idle(const slicer *c, unsigned *spins, ddp_link *rx, ddp_link *tx) {
-    if (++*spins < SPINS) {
-        ddp_cpu_relax();
-        return DDP_OK;
-    }
-    *spins = 0;
+/* Nothing to peek on rx or no room on tx (NULL: not waited for): wait with
+ * the link driver's deadline, abort flag, spinning and parking. */
+static ddp_status idle(const slicer *c, ddp_link *rx, ddp_link *tx) {
     return ddp_link_wait_direct(rx, c->es, tx, c->es, c->w);
 }
 
 /* Copy len bytes from src into the successor's ring. */
 static ddp_status push(const slicer *c, const char *src, size_t len) {
-    unsigned spins = 0;
     while (len > 0) {
         void *tp;
         size_t tn;
         ddp_status st = ddp_link_tx_reserve(c->next, c->es, &tp, &tn);
         if (st != DDP_OK) return st;
         if (tn == 0) {
-            if ((st = idle(c, &spins, NULL, c->next)) != DDP_OK) return st;
+            if ((st = idle(c, NULL, c->next)) != DDP_OK) return st;
             continue;
         }
-        spins = 0;
         size_t m = len < tn ? len : tn;
         if (m > PIECE_BYTES) m = PIECE_BYTES;
         m -= m % c->es;
@@ -159,7 +152,6 @@ static ddp_status push(const slicer *c, const char *src, size_t len) {
  * belongs to) and do `action` with it, piece by piece as bytes arrive. */
 static ddp_status take(const slicer *c, int action, char *own, size_t len) {
     const int sends = action != COPY_LAST;
-    unsigned spins = 0;
     while (len > 0) {
         const void *rp;
         void *tp = NULL;
@@ -168,11 +160,9 @@ static ddp_status take(const slicer *c, int action, char *own, size_t len) {
         if (st == DDP_OK && sends) st = ddp_link_tx_reserve(c->next, c->es, &tp, &tn);
         if (st != DDP_OK) return st;
         if (rn == 0 || tn == 0) {
-            if ((st = idle(c, &spins, rn ? NULL : c->prev, tn ? NULL : c->next)) != DDP_OK)
-                return st;
+            if ((st = idle(c, rn ? NULL : c->prev, tn ? NULL : c->next)) != DDP_OK) return st;
             continue;
         }
-        spins = 0;
         size_t m = len < rn ? len : rn;
         if (m > tn) m = tn;
         if (m > PIECE_BYTES) m = PIECE_BYTES;
@@ -240,6 +230,7 @@ static ddp_status run_staged(const slicer *c, size_t nslices, char *tmp) {
 
 int ddp_coll_slice_applies(const ddp_group *g, const ddp_coll_args *a) {
     return g->nhosts == 1 && g->size > 1 && g->algo != DDP_ALGO_BLOCK &&
+           a->count * ddp_dtype_size(a->dtype) >= SLICE_MIN_BYTES &&
            !ddp_coll_wire_wide(a->dtype, a->op);
 }
 
