@@ -70,9 +70,10 @@ static const ddp_setting_decl table[] = {
      "starts: `pyddp` says the job's store is pyddp's own, so the workers authenticate to "
      "it with `PYDDP_AUTH_TOKEN`. Not to be set by hand", "`pyddp.elastic`"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
-     "`lo-hi`: the data port each rank listens on is taken from this range (for "
-     "firewalled VMs whose security group opens only a range; a rank of an in-place "
-     "elastic job takes one more, for its liveness port). Without it, an ephemeral port", "CPU transport"},
+     "`lo-hi`: the data port each rank's process listens on (one for all its groups) is "
+     "taken from this range (for firewalled VMs whose security group opens only a range; "
+     "a rank of an in-place elastic job takes one more, for its liveness port). Without "
+     "it, an ephemeral port", "CPU transport"},
     {"PYDDP_AUTH_TOKEN", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
      "shared secret, the same on every node: every pyddp connection (data links, pyddp's "
      "store) then starts with a mutual HMAC-SHA256 challenge-response (see "
