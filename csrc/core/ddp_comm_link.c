@@ -100,7 +100,7 @@ static ddp_status dial_one(ddp_comm *c, int p, int stream, ddp_wait w, int *fd_o
     ddp_status st = ddp_sock_connect_peer(addr, atoi(port), cw, c->desc[p], &fd);
     if (st == DDP_OK) {
         ddp_hello h = {DDP_HELLO_MAGIC, DDP_WIRE_VERSION, c->link_tag, c->rank, c->size,
-                       c->auth ? DDP_HELLO_HAS_TOKEN : 0u, (uint32_t)stream, p};
+                       c->auth ? DDP_HELLO_HAS_TOKEN : 0u, (uint32_t)stream, p, 0};
         unsigned char raw[DDP_HELLO_BYTES];
         ddp_hello_encode(&h, raw);
         ddp_hello_purpose(c->link_tag, c->rank, p, c->size, stream, purpose, sizeof purpose);

@@ -21,7 +21,7 @@ void ddp_hello_encode(const ddp_hello *h, unsigned char out[DDP_HELLO_BYTES]) {
     ddp_le_put32(out + 24, h->flags);
     ddp_le_put32(out + 28, h->stream);
     ddp_le_put32(out + 32, (uint32_t)h->to);
-    ddp_le_put32(out + 36, 0);
+    ddp_le_put32(out + 36, h->spare);
 }
 
 void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h) {
@@ -33,6 +33,7 @@ void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h) {
     h->flags = ddp_le_get32(in + 24);
     h->stream = ddp_le_get32(in + 28);
     h->to = (int32_t)ddp_le_get32(in + 32);
+    h->spare = ddp_le_get32(in + 36);
 }
 
 void ddp_hello_purpose(uint64_t tag, int from, int to, int size, int stream, char *out,

@@ -6,7 +6,7 @@
  *
  * On the wire (little-endian): hello = u32 magic, u32 wire version, u64
  * group tag, i32 rank, i32 size, u32 flags (bit 0: the sender has a token),
- * u32 stream, i32 to, u32 zero: 40 bytes. stream is the connection's index
+ * u32 stream, i32 to, u32 spare (0): 40 bytes. stream is the connection's index
  * among the sockets of one striped link (PYDDP_NSOCKS_PERPEER): 0 for the
  * first, the one every pair has, 1.. for the extra ones made after the
  * shared-memory upgrade. to is the rank the sender dials: the process's one
@@ -55,6 +55,7 @@ typedef struct ddp_hello {
     uint32_t flags;
     uint32_t stream; /* 0: the link's first socket; k > 0: its extra socket k */
     int32_t to;      /* the rank dialed */
+    uint32_t spare;  /* sent as 0, kept as read (so a hello decodes and encodes alike) */
 } ddp_hello;
 
 void ddp_hello_encode(const ddp_hello *h, unsigned char out[DDP_HELLO_BYTES]);

@@ -43,7 +43,7 @@ static int dial(int port, uint64_t tag, int from, int to) {
     if (ddp_sock_connect_peer("127.0.0.1", port, ddp_wait_for(2000, NULL), "test", &fd) !=
         DDP_OK)
         return -1;
-    ddp_hello h = {DDP_HELLO_MAGIC, DDP_WIRE_VERSION, tag, from, 4, 0, 0, to};
+    ddp_hello h = {DDP_HELLO_MAGIC, DDP_WIRE_VERSION, tag, from, 4, 0, 0, to, 0};
     unsigned char raw[DDP_HELLO_BYTES], r[DDP_HELLO_REPLY_BYTES];
     ddp_hello_encode(&h, raw);
     int verdict = -1;
