@@ -6,8 +6,10 @@ How it works, without touching the hot path:
 * Every world group (init_process_group's, or torch's "pyddp" backend's) has one
   :class:`Watcher`: a daemon thread holding its own store connection blocked in WAIT on
   ``<prefix>/stall/stuck/<i>``, the next incident's key, and a second short-timeout
-  connection for reports, both opened by the thread itself (init does not wait for
-  them). The store's keys and records are declared once, in
+  connection for reports, both opened by the thread itself once the group starts its
+  first collective (init does not wait for them, nor pay for them: with hundreds of
+  ranks on a few cores every rank's two connections would slow everyone's init). The
+  store's keys and records are declared once, in
   ``csrc/core/ddp_forensics.h``; this module reads them through ``_C.FX_*``.
 * When a collective times out, the C worker announces it in the store before the group
   breaks (``ADD stuck_n``, ``SET stuck/<i> = rank, group tag, collective number``).
@@ -192,6 +194,7 @@ class Watcher:
             torch_rendezvous and self.rank == 0
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
         self._stop = False
+        self._waiting = True               # for the group's first collective (_run)
         self._lock = threading.Lock()     # _stop, the connections, arming the group
         self.reports = self._watch = None  # set by the thread once connected
         self._store = st
@@ -199,8 +202,9 @@ class Watcher:
         self._thread.start()
 
     def _connect(self):
-        """On the watcher's thread, so that init never waits for it: open the two store
-        connections and arm the group's announcements (``set_stall_store``). False if
+        """On the watcher's thread once the group's first collective started, so that
+        init never waits for it: open the two store connections and arm the group's
+        announcements (``set_stall_store``). False if
         the watcher was stopped meanwhile, or the store cannot be reached (then a
         warning: the job goes on without forensics). Until this returns, a timeout or
         failure is not announced and an error gets no straggler summary."""
@@ -228,6 +232,14 @@ class Watcher:
         return True
 
     def _run(self):
+        # Connect once the group (or a subgroup over its links) starts its first
+        # collective, the first thing that can time out: init_process_group of many
+        # ranks on few cores is then not slowed by every rank's two connections.
+        while not self._stop:
+            pg = self.group._pg
+            if pg is None or pg.wait_used(1000):
+                break
+        self._waiting = False
         if not self._connect():
             return
         i, told, dumped = 1, set(), set()
@@ -300,11 +312,14 @@ class Watcher:
 
     def stop(self, join_s=None):
         """End the watcher: close its store connections (its thread's WAIT then fails
-        and the thread returns); with join_s, wait that long for the thread."""
+        and the thread returns); with join_s, wait that long for the thread, unless it
+        is still waiting for the group's first collective (it holds no connection then,
+        and returns once the group is destroyed or within a second)."""
         with self._lock:
             self._stop = True
             _close((self._watch, self.reports))
-        if join_s is not None and self._thread is not threading.current_thread():
+        if (join_s is not None and not self._waiting
+                and self._thread is not threading.current_thread()):
             self._thread.join(join_s)
 
 

@@ -233,13 +233,13 @@ def get_group_rank(group, global_rank):
 
 
 # pg_options={"algo": ...} of new_group: the C core's DDP_ALGO_* codes
-_ALGOS = {"auto": 0, "flat": 1, "hier": 2}
+_ALGOS = {"auto": 0, "flat": 1, "hier": 2, "block": 3}
 
 
 def _options_algo(pg_options):
     """The algorithm code pg_options asks for (-1: PYDDP_ALGO). pg_options is None or a
-    dict; its "algo" is "auto", "flat" or "hier" (other keys are left to the torch
-    backend)."""
+    dict; its "algo" is "auto", "flat", "hier" or "block" (other keys are left to the
+    torch backend)."""
     if pg_options is None:
         return -1
     if not isinstance(pg_options, dict):

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 
-from . import _C, _env, _exit, _forensics, _round
+from . import _C, _env, _exit, _forensics
 from ._group import Group, WORLD, _State, _asked_name, _auto_backend_name, _pick_backend, \
     _resolve, dump_flight_record, retire_groups
 from ._rendezvous import _is_hosted, _linger_after_failure, make_store, _td
@@ -70,8 +70,8 @@ def create_world(store, rank, world_size, timeout_s, name, backend=None, master_
     be = None if backend is None else _pick_backend(backend)
     run_id, _restart = _env.elastic_attempt()
     base = f"/pyddp/{run_id}/torch/{name}"
-    prefix = f"{base}/{_round.agree(store, base, rank, world_size, timeout_s)}"
-    g = make_group(store, rank, world_size, prefix, timeout_s, be, master_addr, True)
+    g = make_group(store, rank, world_size, base, timeout_s, be, master_addr, True,
+                   agree_round=True)
     _warn_unauthenticated(g)
     return g
 
@@ -97,21 +97,23 @@ def _change_rdzv_s(timeout_s):
     return min(timeout_s, 30 + float(_C.setting("PYDDP_ELASTIC_SETTLE_S")))
 
 
-def _agree_round(store, rdzv, base, timeout_s, own_store):
-    """(store, prefix): this start's key prefix ``<base>/<round>`` (``_round``). A store
-    that rank 0 of this start hosts (plain env://, tcp://, file://, and torchrun with
+def _agree_round(store, rdzv, base, timeout_s, own_store, make):
+    """(store, group): the group make(store, prefix, agree_round) rendezvouses, under
+    this start's key prefix ``<base>/<round>`` (``_round``). A store that rank 0 of this
+    start hosts (plain env://, tcp://, file://, and torchrun with
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) holds only this start's keys: the round is
     then "0", and the core's rendezvous, which notices a rank refused for its
-    PYDDP_AUTH_TOKEN, is the first wait. A store that outlives the workers (torchrun's
-    agent store, or one passed in) gets an agreed round; a client whose server goes away
-    before it is agreed reconnects to the address it was given and agrees again, until
-    timeout_s; a store this process was handed is used as it is."""
+    PYDDP_AUTH_TOKEN, is the first wait. On a store that outlives the workers
+    (torchrun's agent store, or one passed in) the core's rendezvous agrees on a round
+    in the same requests; a client whose server goes away before it is agreed
+    reconnects to the address it was given and agrees again, until timeout_s; a store
+    this process was handed is used as it is."""
     if not rdzv.use_agent_store and rdzv.method != "store":
-        return store, f"{base}/0"
+        return store, make(store, f"{base}/0", False)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return store, f"{base}/{_round.agree(store, base, rdzv.rank, rdzv.world_size, timeout_s)}"
+            return store, make(store, base, True)
         except _C.DistNetworkError as e:
             left = deadline - time.monotonic()
             if not own_store or _is_hosted(store) or rdzv.method == "file" or left <= 0:
@@ -125,17 +127,19 @@ def _agree_round(store, rdzv, base, timeout_s, own_store):
 
 
 def make_group(store, rank, world_size, prefix, timeout_s, backend, master_addr,
-                torch_rendezvous=False, rdzv_timeout_s=None):
+               torch_rendezvous=False, rdzv_timeout_s=None, agree_round=False):
     """Rendezvous a world Group under prefix (collective); backend "nccl" attaches NCCL
     at once.
     torch_rendezvous: the group is torch's "pyddp" backend's (see _forensics.Watcher).
-    rdzv_timeout_s: the rendezvous's own deadline, if shorter than timeout_s."""
+    rdzv_timeout_s: the rendezvous's own deadline, if shorter than timeout_s.
+    agree_round: prefix is the start's base, and the ranks agree on a round there
+    (``_round``); the group's prefix is then ``<prefix>/<round>``."""
     lo, hi = _env.port_range()
     advertise = _env.advertise_address(master_addr)
     pg = _C.ProcessGroup(store._client, rank, world_size, prefix, advertise, "", lo, hi,
                          int((rdzv_timeout_s or timeout_s) * 1000), __version__,
-                         _env.host_identity())
-    g = Group(pg, range(world_size), backend, store, prefix, timeout_s, rank)
+                         _env.host_identity(), agree_round)
+    g = Group(pg, range(world_size), backend, store, pg.prefix, timeout_s, rank)
     _exit.track(g)           # pending work at exit gets PYDDP_EXIT_WAIT, then an abort
     g._advertise = advertise
     g._by_route = not _env.socket_ifname() and bool(master_addr)
@@ -195,12 +199,14 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         store.set_timeout(_td(timeout_s))
     base = f"/pyddp/{rdzv.run_id}/{_State.generation}"
     _State.generation += 1   # per attempt: every rank makes the same attempts
-    prefix = None
+    prefix = base   # failures linger under it (_linger_after_failure)
     try:
-        store, prefix = _agree_round(store, rdzv, base, timeout_s, own_store)
         _State.device_id = device_id
-        pg = make_group(store, rdzv.rank, rdzv.world_size, prefix, timeout_s, be,
-                        rdzv.master_addr or None)
+        def make(st, pre, agree):
+            return make_group(st, rdzv.rank, rdzv.world_size, pre, timeout_s, be,
+                              rdzv.master_addr or None, agree_round=agree)
+        store, pg = _agree_round(store, rdzv, base, timeout_s, own_store, make)
+        prefix = pg._prefix
     except BaseException as e:
         _State.rank = -1
         if prefix is not None and not isinstance(e, KeyboardInterrupt):

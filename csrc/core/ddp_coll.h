@@ -137,6 +137,7 @@ ddp_status ddp_group_need(ddp_group *g, int p, ddp_wait w);
 #define DDP_ALGO_AUTO 0
 #define DDP_ALGO_FLAT 1
 #define DDP_ALGO_HIER 2
+#define DDP_ALGO_BLOCK 3 /* flat, and on one host the ring block by block (no slices) */
 
 /* Set g's layout from each rank's host identity (ids[r] for rank r; ranks
  * with equal strings share a host) and its algorithm choice from

@@ -55,7 +55,7 @@ static int flat_chain_crossings(const ddp_group *g, int root) {
 
 int ddp_coll_hier_applies(ddp_group *g, const ddp_coll_args *a) {
     const ddp_hier *h = g->hier;
-    if (h == NULL || g->algo == DDP_ALGO_FLAT) return 0;
+    if (h == NULL || g->algo == DDP_ALGO_FLAT || g->algo == DDP_ALGO_BLOCK) return 0;
     const int reduces = a->kind == DDP_COLL_ALLREDUCE || a->kind == DDP_COLL_REDUCE_SCATTER;
     if (reduces && ddp_coll_wire_wide(a->dtype, a->op)) return 0;
     if (g->algo == DDP_ALGO_AUTO) {

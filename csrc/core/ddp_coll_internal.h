@@ -214,6 +214,12 @@ ddp_status ddp_coll_hier_run(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
  * the rail stage on a second thread, so the stages overlap. */
 ddp_status ddp_coll_hier_pipeline(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 
+/* The all-reduce of a group on one host (ddp_coll_slice.c): the ring, slice
+ * by slice, combining in place over shared memory. _applies: whether a
+ * (bandwidth-path) all-reduce on g takes it, the same answer on every rank. */
+int ddp_coll_slice_applies(const ddp_group *g, const ddp_coll_args *a);
+ddp_status ddp_coll_slice_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
+
 /* Bandwidth path, run after a header-only exchange. */
 ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wait w);
 ddp_status ddp_coll_ring_allgather(ddp_group *g, const ddp_coll_args *a, ddp_wait w);

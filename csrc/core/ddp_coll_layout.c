@@ -22,10 +22,11 @@ static int algo_setting(void) {
     if (v == NULL || strcmp(v, "auto") == 0) return DDP_ALGO_AUTO;
     if (strcmp(v, "flat") == 0 || strcmp(v, "ring") == 0) return DDP_ALGO_FLAT;
     if (strcmp(v, "hier") == 0 || strcmp(v, "hierarchical") == 0) return DDP_ALGO_HIER;
+    if (strcmp(v, "block") == 0) return DDP_ALGO_BLOCK;
     if (!warned) {
         warned = 1;
-        fprintf(stderr, "pyddp: warning: ignoring PYDDP_ALGO='%s': expected auto, flat or "
-                "hier; using auto\n", v);
+        fprintf(stderr, "pyddp: warning: ignoring PYDDP_ALGO='%s': expected auto, flat, "
+                "hier or block; using auto\n", v);
     }
     return DDP_ALGO_AUTO;
 }

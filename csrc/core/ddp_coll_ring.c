@@ -118,6 +118,7 @@ ddp_status ddp_coll_ring_allreduce(ddp_group *g, const ddp_coll_args *a, ddp_wai
     const size_t stage = wide ? ddp_coll_align(a->count * wes) : 0;
     const size_t chunk = ddp_coll_chunk_elems(g, wes) * wes;
     if (n == 1) return DDP_OK; /* AVG over one rank is the identity */
+    if (ddp_coll_slice_applies(g, a)) return ddp_coll_slice_allreduce(g, a, w);
     void *mem;
     ddp_status st = ddp_coll_scratch(g, stage + chunk, &mem);
     if (st != DDP_OK) return st;

@@ -50,6 +50,7 @@ void ddp_comm_abort(ddp_comm *c, const char *reason) {
 
 
 int ddp_comm_rank(const ddp_comm *c) { return c->rank; }
+const char *ddp_comm_prefix(const ddp_comm *c) { return c->root->prefix; }
 uint64_t ddp_comm_tag(const ddp_comm *c) { return c->group.tag; }
 int ddp_comm_size(const ddp_comm *c) { return c->size; }
 int ddp_comm_world_rank(const ddp_comm *c, int r) { return c->members ? c->members[r] : r; }
@@ -106,7 +107,6 @@ static ddp_status comm_alloc(const ddp_comm_config *cfg, ddp_comm **out) {
     c->size = cfg->size;
     c->timeout_ms = cfg->timeout_ms;
     c->root = c;
-    c->lfd = -1;
     atomic_init(&c->refs, 1);
     atomic_init(&c->queued, 0);
     atomic_init(&c->acceptor_stop, 0);
@@ -133,7 +133,7 @@ ddp_status ddp_comm_create(const ddp_comm_config *cfg, ddp_store *store, ddp_com
     ddp_status st;
     DDP_CHECK(comm_alloc(cfg, &c), fail);
     DDP_CHECK(ddp_comm_bootstrap(c, cfg, store), fail);
-    DDP_CHECK(group_init(c, ddp_comm_hash(cfg->prefix)), fail);
+    DDP_CHECK(group_init(c, ddp_comm_hash(c->prefix)), fail);
     DDP_CHECK(ddp_comm_links_start(c), fail);
     if (pthread_create(&c->worker, NULL, ddp_comm_worker_main, c) != 0) {
         st = ddp_error(DDP_ERR_SYS, "could not start the communication thread: %s", strerror(errno));
@@ -229,6 +229,7 @@ static void comm_free(ddp_comm *c) {
     free(c->host_ids);
     ddp_store_release(c->stall_store);
     free(c->stall_prefix);
+    free(c->prefix);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->link_cv);
@@ -245,6 +246,7 @@ void ddp_comm_destroy(ddp_comm *c) {
     if (c != root) {
         pthread_mutex_lock(&root->mu);
         c->destroyed = 1;
+        pthread_cond_broadcast(&root->link_cv);   /* wait_used's waiters */
         pthread_mutex_unlock(&root->mu);
         ddp_comm_release(c);
         return;
@@ -277,6 +279,7 @@ void ddp_comm_destroy(ddp_comm *c) {
     pthread_mutex_lock(&c->mu);
     c->stopping = 1;
     c->destroyed = 1;
+    pthread_cond_broadcast(&c->link_cv);   /* wait_used's waiters */
     for (int r = 0; c->links && r < c->size; r++) {
         ddp_link_free(c->links[r]);
         c->links[r] = NULL;
@@ -371,10 +374,23 @@ static void pg_set_stall_store(void *impl, ddp_store *s, const char *prefix) {
 
 static int pg_pending(void *impl) { return ddp_comm_pending(impl); }
 
+/* ddp_pg_info.wait_used: on the root's link_cv, which record_locked
+ * broadcasts on the first call, and break and destroy on theirs. */
+static int pg_wait_used(void *impl, ddp_wait w) {
+    ddp_comm *g = impl, *c = g->root;
+    pthread_mutex_lock(&c->mu);
+    int done;
+    while (!(done = c->used || c->broken || c->stopping || c->destroyed || g->destroyed) &&
+           !ddp_wait_expired(w) && !ddp_wait_aborted(w))
+        ddp_wait_cond(&c->link_cv, &c->mu, w);
+    pthread_mutex_unlock(&c->mu);
+    return done;
+}
+
 static const ddp_pg_info comm_pg_info = {
     .tag = pg_tag, .peer_desc = pg_peer_desc, .host_id = pg_host_id,
     .transport = pg_transport, .flight = pg_flight, .progress = pg_progress,
-    .set_stall_store = pg_set_stall_store, .pending = pg_pending,
+    .set_stall_store = pg_set_stall_store, .pending = pg_pending, .wait_used = pg_wait_used,
 };
 
 static const ddp_pg_ops comm_pg_ops = {

@@ -48,7 +48,7 @@
 #include "ddp_pg.h"
 #include "ddp_store.h"
 
-#define DDP_WIRE_VERSION 4
+#define DDP_WIRE_VERSION 5
 
 typedef struct ddp_comm ddp_comm;
 typedef struct ddp_work ddp_work;
@@ -56,7 +56,12 @@ typedef struct ddp_work ddp_work;
 typedef struct ddp_comm_config {
     int rank;
     int size;
-    const char *prefix;          /* store key prefix, unique per group and attempt */
+    const char *prefix;          /* store key prefix, unique per group and attempt; with
+                                  * agree_round the start's base (below) */
+    int agree_round;             /* 1: the store outlives the workers (earlier rounds'
+                                  * keys may be in it): the ranks agree on a round in the
+                                  * rendezvous (ddp_comm_round.c) and the group's prefix is
+                                  * "<prefix>/<round>" (ddp_comm_prefix) */
     const char *advertise_host;  /* address peers connect to (numeric preferred) */
     const char *bind_host;       /* NULL/"" = all interfaces */
     int port_lo, port_hi;        /* data port range; 0,0 = ephemeral */
@@ -93,6 +98,8 @@ void ddp_comm_release(ddp_comm *c);
 ddp_pg ddp_comm_pg(ddp_comm *c);
 
 int ddp_comm_rank(const ddp_comm *c);
+/* The store key prefix of c's communicator (the agreed round's with agree_round). */
+const char *ddp_comm_prefix(const ddp_comm *c);
 /* The group's tag (in every collective header; a hash of the group's key prefix). */
 uint64_t ddp_comm_tag(const ddp_comm *c);
 int ddp_comm_size(const ddp_comm *c);

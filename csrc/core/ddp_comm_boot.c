@@ -1,7 +1,9 @@
 /* ddp_comm_boot.c - a communicator's rendezvous through the store: every
  * rank's address, the version check, and the table every rank reads
  * (contract in ddp_comm.h; the links are made later, on first use, by
- * ddp_comm_link.c).
+ * ddp_comm_link.c). On a store that outlives the workers the same lines and
+ * table travel in the round agreement of ddp_comm_round.c instead of steps
+ * 2-4 below.
  *
  *   1. listen on a data port (ephemeral, or the first free one of a range);
  *      it stays open for the communicator's life;
@@ -29,6 +31,7 @@
 
 #include "ddp_comm_internal.h"
 #include "ddp_hello.h"
+#include "ddp_listen.h"
 #include "ddp_settings.h"
 #include "ddp_sock.h"
 
@@ -134,18 +137,15 @@ static ddp_status check_settings(ddp_comm *c) {
 }
 
 
-/* Wait for key (slices of AUTH_POLL_MS, watching for authentication
- * failures) and return its value NUL-terminated in *val (caller frees).
- * DDP_ERR_TIMEOUT with no message when w expires. */
-static ddp_status wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                           const char *key, const char *what, ddp_wait w, int64_t t0,
-                           char **val) {
+ddp_status ddp_comm_wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                             const char *key, const char *what, ddp_wait w, int64_t t0,
+                             char **val) {
     void *v = NULL;
     size_t vlen = 0;
     ddp_status st;
     for (;;) {
-        st = ddp_store_get(store, key, strlen(key), &v, &vlen, poll_slice(w));
-        if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w)) break;
+        st = ddp_store_get(store, key, strlen(key), &v, &vlen, t0 ? poll_slice(w) : w);
+        if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w) || !t0) break;
         if ((st = auth_watch(c, cfg, store, t0, what, w)) != DDP_OK) return st;
     }
     if (st != DDP_OK) return st;
@@ -160,44 +160,45 @@ static ddp_status wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *s
     return DDP_OK;
 }
 
-/* Rank 0: every rank's line into c->lines: one WAIT for all the keys (in
- * slices, watching for authentication failures) and one MULTI_GET. A rank
- * that never came is named. */
-static ddp_status gather_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                               ddp_wait w, int64_t t0) {
+ddp_status ddp_comm_gather(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                           const char *fmt, size_t first, ddp_wait w, int64_t t0) {
     const size_t n = (size_t)c->size;
     char **keys = calloc(n, sizeof *keys);
     size_t *klens = calloc(n, sizeof *klens), *vlens = calloc(n, sizeof *vlens);
     void **vals = calloc(n, sizeof *vals);
     ddp_status st = keys && klens && vlens && vals ? DDP_OK
                                                    : ddp_error(DDP_ERR_NOMEM, "out of memory");
-    for (size_t r = 0; st == DDP_OK && r < n; r++) {
-        size_t len = strlen(cfg->prefix) + 32;
+    for (size_t r = first; st == DDP_OK && r < n; r++) {
+        size_t len = strlen(cfg->prefix) + strlen(fmt) + 32;
         if ((keys[r] = malloc(len)) == NULL) st = ddp_error(DDP_ERR_NOMEM, "out of memory");
-        else klens[r] = (size_t)snprintf(keys[r], len, "%s/rank/%zu", cfg->prefix, r);
+        else klens[r] = (size_t)snprintf(keys[r], len, fmt, cfg->prefix, r);
     }
-    while (st == DDP_OK) {
-        st = ddp_store_wait(store, (const char *const *)keys, klens, n, poll_slice(w));
-        if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w)) break;
+    const char *const *ks = (const char *const *)keys + first;
+    const size_t *kls = klens + first, nk = n - first;
+    while (st == DDP_OK && nk > 0) {
+        st = ddp_store_wait(store, ks, kls, nk, t0 ? poll_slice(w) : w);
+        if (st != DDP_ERR_TIMEOUT || ddp_wait_expired(w) || !t0) break;
         if ((st = auth_watch(c, cfg, store, t0, "every rank's address", w)) != DDP_OK) break;
     }
     if (st == DDP_ERR_TIMEOUT) {   /* name the first rank that did not come */
-        size_t r = 0;
+        size_t r = first;
         for (int ready = 1; r < n && ready; r++)
             if (ddp_store_check(store, (const char *const *)&keys[r], &klens[r], 1, &ready,
                                 ddp_wait_for(2000, cfg->abort)) != DDP_OK)
                 break;
-        r = r ? r - 1 : 0;
+        r = r > first ? r - 1 : first;
         st = ddp_error(DDP_ERR_TIMEOUT, "rank %d: rank %zu did not join the process group "
                        "within %.1f s (waiting for store key %s on %s). Check that all %d "
                        "ranks were started with the same WORLD_SIZE and store address.",
                        c->rank, r, cfg->timeout_ms / 1000.0, keys[r], ddp_store_peer(store),
                        c->size);
-    } else if (st == DDP_OK) {
-        st = ddp_store_multi_get(store, (const char *const *)keys, klens, n, vals, vlens, w);
+    } else if (st == DDP_OK && nk > 0) {
+        st = ddp_store_multi_get(store, ks, kls, nk, vals + first, vlens + first, w);
         if (st != DDP_OK) ddp_error_prefix(st, "rank %d reading the ranks' addresses: ", c->rank);
     }
-    for (size_t r = 0; r < n; r++) {
+    for (size_t r = first; r < n; r++) {
+        free(c->lines[r]);
+        c->lines[r] = NULL;
         if (st == DDP_OK && (c->lines[r] = malloc(vlens[r] + 1)) == NULL)
             st = ddp_error(DDP_ERR_NOMEM, "out of memory");
         if (st == DDP_OK) {
@@ -256,8 +257,11 @@ static ddp_status make_table(ddp_comm *c, text *t) {
     for (int k = 0; !bad && k < nh; k++)
         bad = text_add(t, "h") || text_add(t, hosts[k]) || text_add(t, "\n");
     for (int r = 0; !bad && r < c->size; r++) {
-        ddp_comm_line_field(c->lines[r], "addr", addr, sizeof addr);
-        ddp_comm_line_field(c->lines[r], "port", port, sizeof port);
+        /* a line without them (another version's, a dead process's) still parses */
+        if (ddp_comm_line_field(c->lines[r], "addr", addr, sizeof addr) || !addr[0])
+            snprintf(addr, sizeof addr, "?");
+        if (ddp_comm_line_field(c->lines[r], "port", port, sizeof port) || !port[0])
+            snprintf(port, sizeof port, "0");
         snprintf(buf, sizeof buf, "%s %s %d\n", addr, port, hidx[r]);
         bad = text_add(t, buf) != 0;
     }
@@ -267,9 +271,7 @@ static ddp_status make_table(ddp_comm *c, text *t) {
     return bad ? ddp_error(DDP_ERR_NOMEM, "out of memory") : DDP_OK;
 }
 
-/* Any rank but 0: fill c->lines ("addr=..;port=..;host=..") from rank 0's
- * table, or fail with rank 0's verdict. */
-static ddp_status read_table(ddp_comm *c, char *tab) {
+ddp_status ddp_comm_read_table(ddp_comm *c, char *tab) {
     int n = 0, nh = 0, status = 0, used = 0;
     if (sscanf(tab, "error %d%n", &status, &used) == 1) {
         const char *msg = tab + used + (tab[used] == '\n');
@@ -305,13 +307,34 @@ static ddp_status read_table(ddp_comm *c, char *tab) {
     return st;
 }
 
+char *ddp_comm_line(ddp_comm *c, const ddp_comm_config *cfg, int port) {
+    char line[1200];
+    snprintf(line, sizeof line, "ver=%s;wire=%d;addr=%s;port=%d;host=%s;nsocks=%d",
+             cfg->version, DDP_WIRE_VERSION, cfg->advertise_host, port, cfg->host_id,
+             c->nsocks);
+    return strdup(line);
+}
+
+ddp_status ddp_comm_verdict(ddp_comm *c, ddp_status st, int check, char **table) {
+    if (st == DDP_OK && check) st = check_versions(c);
+    if (st == DDP_OK && check) st = check_settings(c);
+    text t = {0};
+    if (st == DDP_OK) st = make_table(c, &t);
+    if (st != DDP_OK) {   /* every rank fails with this message */
+        char msg[1600];
+        snprintf(msg, sizeof msg, "error %d\n%s", (int)st, ddp_last_error());
+        free(t.p);
+        t.p = strdup(msg);
+    }
+    *table = t.p;
+    return st;
+}
+
 /* Steps 2-4: publish this rank's line; rank 0 gathers, checks and publishes
  * the table; the others read it. c->lines is filled on every rank. */
 static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
-                                 int port, int nsocks, ddp_wait w, int64_t t0) {
-    char key[600], line[1200];
-    snprintf(line, sizeof line, "ver=%s;wire=%d;addr=%s;port=%d;host=%s;nsocks=%d",
-             cfg->version, DDP_WIRE_VERSION, cfg->advertise_host, port, cfg->host_id, nsocks);
+                                 const char *line, ddp_wait w, int64_t t0) {
+    char key[600];
     snprintf(key, sizeof key, "%s/rank/%d", cfg->prefix, cfg->rank);
     ddp_status st = ddp_store_set(store, key, strlen(key), line, strlen(line), w);
     if (st != DDP_OK) return ddp_error_prefix(st, "rank %d publishing its address: ", c->rank);
@@ -321,7 +344,7 @@ static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_st
         char *tab = NULL;
         ddp_wait tw = w;
         if (tw.deadline_ms < DDP_NO_DEADLINE - TABLE_GRACE_MS) tw.deadline_ms += TABLE_GRACE_MS;
-        st = wait_get(c, cfg, store, tkey, "rank 0's member table", tw, t0, &tab);
+        st = ddp_comm_wait_get(c, cfg, store, tkey, "rank 0's member table", tw, t0, &tab);
         if (st == DDP_ERR_TIMEOUT)
             return ddp_error(st, "rank %d: rank 0 did not publish the process group's members "
                              "within %.1f s (store key %s on %s). Check that rank 0 runs and "
@@ -329,22 +352,14 @@ static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_st
                              "store address.", c->rank, cfg->timeout_ms / 1000.0, tkey,
                              ddp_store_peer(store), c->size);
         if (st != DDP_OK) return ddp_error_prefix(st, "rank %d reading the members: ", c->rank);
-        st = read_table(c, tab);
+        st = ddp_comm_read_table(c, tab);
         free(tab);
         return st;
     }
-    st = gather_lines(c, cfg, store, w, t0);
-    if (st == DDP_OK) st = check_versions(c);
-    if (st == DDP_OK) st = check_settings(c);
     text t = {0};
-    if (st == DDP_OK) st = make_table(c, &t);
-    if (st != DDP_OK) {   /* every rank fails with this message */
-        char msg[1600];
-        snprintf(msg, sizeof msg, "error %d\n%s", (int)st, ddp_last_error());
-        free(t.p);
-        t.p = strdup(msg);
-        if (t.p) t.len = strlen(t.p);
-    }
+    st = ddp_comm_gather(c, cfg, store, "%s/rank/%zu", 0, w, t0);
+    st = ddp_comm_verdict(c, st, 1, &t.p);
+    t.len = t.p ? strlen(t.p) : 0;
     if (t.p) {
         char saved[1400];
         ddp_copy_error(saved, sizeof saved);
@@ -360,8 +375,8 @@ static ddp_status exchange_lines(ddp_comm *c, const ddp_comm_config *cfg, ddp_st
 }
 
 /* Steps 1-4 on a root allocated by ddp_comm.c (rank, size, timeout and the
- * per-rank arrays set). Leaves what it made in c (lfd included) for the
- * caller to free on failure. */
+ * per-rank arrays set). Leaves what it made in c (its data-port registration
+ * included) for the caller to free on failure. */
 ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store) {
     ddp_status st;
     int port = 0;
@@ -371,14 +386,26 @@ ddp_status ddp_comm_bootstrap(ddp_comm *c, const ddp_comm_config *cfg, ddp_store
      * before rendezvous began. */
     int64_t t0 = ddp_now_ms() - 30000;
     c->nsocks = (int)ddp_setting_int("PYDDP_NSOCKS_PERPEER"); /* bounded to 1..16 */
-    c->link_tag = ddp_comm_hash(cfg->prefix);
+    c->link_tag = ddp_comm_hash(cfg->prefix);   /* the round's, once agreed (below) */
     st = ddp_auth_get(&c->auth);   /* a bad token file or no libcrypto fails here */
     if (st != DDP_OK) return ddp_error_prefix(st, "rank %d: ", c->rank);
     if (cfg->size > 1) {
-        st = ddp_sock_listen(cfg->bind_host, 0, cfg->port_lo, cfg->port_hi, &c->lfd, &port);
+        st = ddp_comm_listen(c, cfg->bind_host, cfg->port_lo, cfg->port_hi, &port);
         if (st != DDP_OK) return ddp_error_prefix(st, "rank %d opening its data port: ", c->rank);
     }
-    if ((st = exchange_lines(c, cfg, store, port, c->nsocks, w, t0)) != DDP_OK) return st;
+    char *line = ddp_comm_line(c, cfg, port);
+    if (line == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
+    if (cfg->agree_round) {
+        st = ddp_comm_agree(c, cfg, store, line, w, &c->prefix);
+    } else {
+        st = exchange_lines(c, cfg, store, line, w, t0);
+        if (st == DDP_OK && (c->prefix = strdup(cfg->prefix)) == NULL)
+            st = ddp_error(DDP_ERR_NOMEM, "out of memory");
+    }
+    free(line);
+    if (st != DDP_OK) return st;
+    c->link_tag = ddp_comm_hash(c->prefix);
+    ddp_listen_retag(c->lreg, c->link_tag);
     for (int r = 0; r < c->size; r++) {
         char addr[DDP_ADDR_MAX], p[32], hp[DDP_ADDR_MAX + 40], host[512];
         ddp_comm_line_field(c->lines[r], "addr", addr, sizeof addr);

@@ -36,6 +36,7 @@ struct ddp_comm {
                             * subgroup: [size] its cache of the root's links */
     ddp_link **glinks;     /* root: [size] the root group's cache of links (group.links) */
     char **lines;          /* [size] rendezvous lines (root only) */
+    char *prefix;          /* the group's store key prefix, round included (root only) */
     char **desc;           /* [size] "rank r (host:port)" (root owns; subgroup borrows) */
     char **host_ids;       /* [size] host identities (root owns; subgroup borrows) */
     ddp_group group;       /* worker-thread state for the algorithms */
@@ -68,11 +69,13 @@ struct ddp_comm {
     char broken_msg[1400];
     atomic_int abort_flag; /* set when broken: every wait returns ABORTED */
     ddp_flight flight;     /* the last collectives of every group (mu) */
+    int used;              /* a collective was recorded, on any group over the root (mu) */
     ddp_store *stall_store; /* where a timeout is announced (ddp_comm_set_stall_store) */
     char *stall_prefix;
 
     /* Links on first use (ddp_comm_link.c); root only. */
-    int lfd;               /* the data port, listening for the communicator's life, or -1 */
+    struct ddp_listen_reg *lreg; /* this group's registration with the process's data
+                            * port (ddp_listen.h), from rendezvous to destroy */
     int nsocks;            /* sockets per TCP pair (PYDDP_NSOCKS_PERPEER, the same everywhere) */
     uint64_t link_tag;     /* the group tag every hello carries */
     const struct ddp_auth *auth;  /* PYDDP_AUTH_TOKEN, or NULL */
@@ -81,11 +84,8 @@ struct ddp_comm {
     char slot_err[700];    /* why the acceptor last failed a peer's connection (mu) */
     ddp_status slot_st;    /* and its status */
     pthread_cond_t link_cv;/* signalled under mu when a slot changes or the comm breaks */
-    pthread_t acceptor;
-    int has_acceptor;
-    atomic_int acceptor_stop;
+    atomic_int acceptor_stop; /* set at destroy: serving a peer's connection gives up */
     int nlinks;            /* links made so far (mu) */
-    int wire_warned;       /* the acceptor said it turned away another wire version */
 };
 
 /* What a root knows of its link to one peer (slot[], under mu). */
@@ -112,6 +112,37 @@ void ddp_comm_break(ddp_comm *c, const char *reason);
  * work in order until the root is stopping and the queue is empty. */
 void *ddp_comm_worker_main(void *arg);
 
+/* Pieces of the rendezvous (ddp_comm_boot.c), shared with the round
+ * agreement (ddp_comm_round.c):
+ * ddp_comm_line: this rank's line (version, wire, address, port, host
+ * identity, nsocks), malloc'd, NULL when out of memory.
+ * ddp_comm_gather (rank 0): the lines of ranks first..size-1 into c->lines,
+ * from the keys fmt (printf with cfg->prefix and the rank, a size_t) makes:
+ * one WAIT for all, one MULTI_GET; a rank that never came is named. With t0
+ * != 0 it waits in slices watching for authentication failures since t0.
+ * ddp_comm_verdict (rank 0, after gathering with status st): with check,
+ * versions and settings checked; the member table, or the error text every
+ * rank then raises ("error <status>", a newline, the message); *table
+ * malloc'd (NULL when out of memory).
+ * ddp_comm_read_table: fill c->lines from rank 0's table, or fail with its
+ * verdict. ddp_comm_wait_get: key's value (NUL-terminated, malloc'd), waiting
+ * for it by w; with t0 != 0 in slices watching for authentication failures;
+ * DDP_ERR_TIMEOUT without a message when w expires. */
+char *ddp_comm_line(ddp_comm *c, const ddp_comm_config *cfg, int port);
+ddp_status ddp_comm_gather(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                           const char *fmt, size_t first, ddp_wait w, int64_t t0);
+ddp_status ddp_comm_verdict(ddp_comm *c, ddp_status st, int check, char **table);
+ddp_status ddp_comm_read_table(ddp_comm *c, char *tab);
+ddp_status ddp_comm_wait_get(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                             const char *key, const char *what, ddp_wait w, int64_t t0,
+                             char **val);
+
+/* The round agreement (ddp_comm_round.c), for cfg->agree_round: publish
+ * line, agree on a round with the other ranks and read rank 0's table into
+ * c->lines; *prefix (malloc'd) is "<cfg->prefix>/<round>". */
+ddp_status ddp_comm_agree(ddp_comm *c, const ddp_comm_config *cfg, ddp_store *store,
+                          const char *line, ddp_wait w, char **prefix);
+
 /* Field `name` of a "k=v;k=v" rendezvous line into out (ddp_comm_boot.c):
  * 0 if found, else -1 and out = "". */
 int ddp_comm_line_field(const char *line, const char *name, char *out, size_t outlen);
@@ -129,8 +160,11 @@ int ddp_comm_same_host(const ddp_comm *c, int r);
  * new link (which owns the TCP one); unchanged for peers on other hosts. */
 ddp_status ddp_comm_pair_shm(ddp_comm *c, int p, int accepting, ddp_link **l, ddp_wait w);
 
-/* Links on first use (ddp_comm_link.c). Start / stop the acceptor thread of
- * root c (after the rendezvous; stop joins it and frees what it held). */
+/* Links on first use (ddp_comm_link.c). ddp_comm_listen registers root c
+ * with the process's data port (its port in *port) at rendezvous; links_start
+ * (after the rendezvous) lets peers' connections in; links_stop unregisters
+ * (no connection is served for c after it returns) and frees what was held. */
+ddp_status ddp_comm_listen(ddp_comm *c, const char *bind_host, int lo, int hi, int *port);
 ddp_status ddp_comm_links_start(ddp_comm *c);
 void ddp_comm_links_stop(ddp_comm *c);
 /* The connect hook of every group over root c (ddp_group.connect): the link

@@ -7,9 +7,9 @@
  * collectives, the peers of its point-to-point calls.
  *
  * Either end of a pair may need the link first. The one that does dials the
- * other's data port, which stays open for the communicator's life and is
- * served by an acceptor thread, so a dial completes whatever the peer is
- * doing. The hello, the reply and the PYDDP_AUTH_TOKEN handshake are those
+ * other's data port, the process's one port (ddp_listen.h), which this group
+ * is registered with for its life and whose acceptor threads serve it, so a
+ * dial completes whatever the peer is doing. The hello, the reply and the PYDDP_AUTH_TOKEN handshake are those
  * of ddp_hello.h; then the same-host upgrade to shared memory
  * (ddp_comm_shm.c) and, with PYDDP_NSOCKS_PERPEER = n > 1, the dialer's n-1
  * extra connections, each authenticated like the first, over which the
@@ -25,7 +25,8 @@
  *
  * After the communicator broke, the acceptor answers DDP_HELLO_BROKEN, so a
  * peer that dials it fails at once with a message saying so; after destroy
- * the port is closed and a dial is refused.
+ * the group is unregistered and a dial is answered DDP_HELLO_GONE (or
+ * refused, once the process's last group is gone and the port closed).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -36,6 +37,7 @@
 
 #include "ddp_comm_internal.h"
 #include "ddp_hello.h"
+#include "ddp_listen.h"
 #include "ddp_sock.h"
 
 /* A dial that gets no connection in this long fails (a blocked port, a dead
@@ -44,7 +46,6 @@
 /* Bound on each step the acceptor waits for a dialing peer (the hello, the
  * handshake, the shared-memory exchange): the dialer is at it right now. */
 #define ACCEPT_STEP_MS 10000
-#define ACCEPTOR_STACK ((size_t)256 << 10)
 
 /* What the acceptor holds of a TCP link whose extra connections are still
  * arriving (PYDDP_NSOCKS_PERPEER > 1). */
@@ -99,7 +100,7 @@ static ddp_status dial_one(ddp_comm *c, int p, int stream, ddp_wait w, int *fd_o
     ddp_status st = ddp_sock_connect_peer(addr, atoi(port), cw, c->desc[p], &fd);
     if (st == DDP_OK) {
         ddp_hello h = {DDP_HELLO_MAGIC, DDP_WIRE_VERSION, c->link_tag, c->rank, c->size,
-                       c->auth ? DDP_HELLO_HAS_TOKEN : 0u, (uint32_t)stream};
+                       c->auth ? DDP_HELLO_HAS_TOKEN : 0u, (uint32_t)stream, p, 0};
         unsigned char raw[DDP_HELLO_BYTES];
         ddp_hello_encode(&h, raw);
         ddp_hello_purpose(c->link_tag, c->rank, p, c->size, stream, purpose, sizeof purpose);
@@ -222,37 +223,6 @@ ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out) {
 
 /* ---- the acceptor --------------------------------------------------------- */
 
-/* Read a connecting peer's hello; 0 and h if it is one of this group's. */
-static int read_hello(ddp_comm *c, int fd, ddp_hello *h) {
-    unsigned char raw[DDP_HELLO_BYTES];
-    ddp_wait hw = ddp_wait_for(5000, &c->acceptor_stop);
-    memset(raw, 0, sizeof raw);
-    /* The first 24 bytes are laid out alike in every wire version. */
-    if (ddp_sock_recv_all(fd, raw, 24, hw, "a connecting peer") != DDP_OK) return -1;
-    ddp_hello_decode(raw, h);
-    if (h->magic != DDP_HELLO_MAGIC || h->tag != c->link_tag) return -1;
-    if (h->wire != DDP_WIRE_VERSION) {
-        /* Another wire version (the version check at rendezvous normally
-         * catches this first). Unauthenticated, so it fails nothing: it is
-         * turned away, and said once. */
-        if (!c->wire_warned) {
-            c->wire_warned = 1;
-            fprintf(stderr, "pyddp: rank %d: turned away a connection claiming to be rank %d "
-                    "that speaks pyddp wire version %u (this rank speaks %d); is an older "
-                    "pyddp running on some node?\n", c->rank, (int)h->rank,
-                    (unsigned)h->wire, DDP_WIRE_VERSION);
-        }
-        return -1;
-    }
-    if (ddp_sock_recv_all(fd, raw + 24, sizeof raw - 24, hw, "a connecting peer") != DDP_OK)
-        return -1;
-    ddp_hello_decode(raw, h);
-    if (h->rank < 0 || h->rank >= c->size || h->rank == c->rank || h->size != c->size ||
-        h->stream >= (uint32_t)c->nsocks)
-        return -1;
-    return 0;
-}
-
 /* A peer's first connection: decide under mu whether it becomes the pair's
  * link, then authenticate it and upgrade it like the dialer does. */
 static void serve_first(ddp_comm *c, int fd, const ddp_hello *h, const char *addr) {
@@ -290,8 +260,12 @@ static void serve_first(ddp_comm *c, int fd, const ddp_hello *h, const char *add
         if (pd) {
             pd->link = l;
             for (int k = 0; k < DDP_LINK_MAX_STREAMS; k++) pd->fds[k] = -1;
-            free(c->pend[p]);
+            pthread_mutex_lock(&c->mu);
+            ddp_pend *old = c->pend[p];
             c->pend[p] = pd;
+            pthread_cond_broadcast(&c->link_cv);   /* serve_extra may wait for it */
+            pthread_mutex_unlock(&c->mu);
+            free(old);
             return;   /* published once its extra connections are there */
         }
         st = ddp_error(DDP_ERR_NOMEM, "out of memory");
@@ -304,24 +278,38 @@ static void serve_first(ddp_comm *c, int fd, const ddp_hello *h, const char *add
     publish(c, p, l);
 }
 
-/* An extra connection (stream k > 0) of a link the acceptor is completing. */
+/* An extra connection (stream k > 0) of a link the acceptor is completing.
+ * Several acceptor threads may serve one rank's connections at once: the
+ * pending link is handled under mu, the handshake outside it. */
 static void serve_extra(ddp_comm *c, int fd, const ddp_hello *h, const char *addr) {
     const int p = h->rank, k = (int)h->stream;
-    ddp_pend *pd = c->pend[p];
     char purpose[160];
-    if (pd == NULL || pd->fds[k] >= 0) {   /* not expected: a stray or stale one */
-        close(fd);
-        return;
-    }
     ddp_hello_purpose(c->link_tag, p, c->rank, c->size, k, purpose, sizeof purpose);
     ddp_wait w = ddp_wait_for(ACCEPT_STEP_MS, &c->acceptor_stop);
-    if (ddp_hello_accept(fd, h, c->auth, purpose, w, addr) != DDP_OK) {
+    pthread_mutex_lock(&c->mu);
+    /* The peer dials its extra sockets once its first one was answered: the
+     * thread serving that one may not have set the link aside yet. */
+    while (c->pend[p] == NULL && c->slot[p] == DDP_SLOT_INCOMING && !ddp_wait_expired(w) &&
+           !ddp_wait_aborted(w))
+        ddp_wait_cond(&c->link_cv, &c->mu, w);
+    int expected = c->pend[p] != NULL && c->pend[p]->fds[k] < 0;
+    pthread_mutex_unlock(&c->mu);
+    if (!expected || ddp_hello_accept(fd, h, c->auth, purpose, w, addr) != DDP_OK) {
+        close(fd);   /* not expected (a stray or stale one), or not genuine */
+        return;
+    }
+    pthread_mutex_lock(&c->mu);
+    ddp_pend *pd = c->pend[p];
+    if (pd == NULL || pd->fds[k] >= 0) {
+        pthread_mutex_unlock(&c->mu);
         close(fd);
         return;
     }
     pd->fds[k] = fd;
-    if (++pd->have < c->nsocks - 1) return;
-    c->pend[p] = NULL;
+    int complete = ++pd->have == c->nsocks - 1;
+    if (complete) c->pend[p] = NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (!complete) return;
     ddp_status st = ddp_link_tcp_add_streams(pd->link, pd->fds + 1, c->nsocks - 1);
     if (st == DDP_OK) publish(c, p, pd->link);
     else {
@@ -331,26 +319,22 @@ static void serve_extra(ddp_comm *c, int fd, const ddp_hello *h, const char *add
     free(pd);
 }
 
-static void *acceptor_main(void *arg) {
-    ddp_comm *c = arg;
-    while (!atomic_load(&c->acceptor_stop)) {
-        int fd = -1;
-        ddp_status st = ddp_sock_accept(c->lfd, ddp_wait_for(-1, &c->acceptor_stop), &fd);
-        if (st != DDP_OK) {
-            if (st != DDP_ERR_ABORTED && st != DDP_ERR_TIMEOUT) usleep(50000);  /* e.g. EMFILE */
-            continue;
-        }
-        ddp_hello h;
-        char addr[DDP_ADDR_MAX + 16];
-        if (read_hello(c, fd, &h) != 0) {   /* a stray, stale or silent connection */
-            close(fd);
-            continue;
-        }
-        ddp_auth_peer_name(fd, addr, sizeof addr);
-        if (h.stream == 0) serve_first(c, fd, &h, addr);
-        else serve_extra(c, fd, &h, addr);
+/* The listener's serve function (ddp_listen.h): a connection from a rank of
+ * this group. */
+static void serve(void *ctx, int fd, const ddp_hello *h, const char *addr) {
+    ddp_comm *c = ctx;
+    if (h->rank < 0 || h->rank >= c->size || h->rank == c->rank || h->size != c->size ||
+        h->stream >= (uint32_t)c->nsocks) {
+        close(fd);   /* not one of this group's ranks as it was made */
+        return;
     }
-    return NULL;
+    if (h->stream == 0) serve_first(c, fd, h, addr);
+    else serve_extra(c, fd, h, addr);
+}
+
+ddp_status ddp_comm_listen(ddp_comm *c, const char *bind_host, int lo, int hi, int *port) {
+    return ddp_listen_attach(c->link_tag, c->rank, bind_host, lo, hi, serve, c, port,
+                             &c->lreg);
 }
 
 ddp_status ddp_comm_links_start(ddp_comm *c) {
@@ -358,26 +342,14 @@ ddp_status ddp_comm_links_start(ddp_comm *c) {
     c->slot = calloc((size_t)c->size, 1);
     c->pend = calloc((size_t)c->size, sizeof *c->pend);
     if (!c->slot || !c->pend) return ddp_error(DDP_ERR_NOMEM, "out of memory");
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setstacksize(&at, ACCEPTOR_STACK);
-    int e = pthread_create(&c->acceptor, &at, acceptor_main, c);
-    pthread_attr_destroy(&at);
-    if (e != 0)
-        return ddp_error(DDP_ERR_SYS, "could not start the thread that accepts peers' "
-                         "connections: %s", strerror(e));
-    c->has_acceptor = 1;
+    ddp_listen_ready(c->lreg);
     return DDP_OK;
 }
 
 void ddp_comm_links_stop(ddp_comm *c) {
-    if (c->has_acceptor) {
-        atomic_store(&c->acceptor_stop, 1);
-        pthread_join(c->acceptor, NULL);
-        c->has_acceptor = 0;
-    }
-    if (c->lfd >= 0) close(c->lfd);
-    c->lfd = -1;
+    atomic_store(&c->acceptor_stop, 1);   /* serve calls in progress end their waits */
+    ddp_listen_detach(c->lreg);
+    c->lreg = NULL;
     for (int p = 0; c->pend && p < c->size; p++) {
         ddp_pend *pd = c->pend[p];
         if (pd == NULL) continue;

@@ -334,6 +334,10 @@ static ddp_status refuse_locked(ddp_comm *c, ddp_comm *g, const ddp_coll_args *a
 /* Under c->mu: count a call on g (collectives only) and enter it in the
  * flight record as queued; returns its flight id. */
 static uint64_t record_locked(ddp_comm *c, ddp_comm *g, const ddp_coll_args *a) {
+    if (!c->used) {   /* the first call: wake ddp_pg_info.wait_used */
+        c->used = 1;
+        pthread_cond_broadcast(&c->link_cv);
+    }
     ddp_flight_entry fe = {.tag = g->group.tag, .seq = is_p2p(a->kind) ? 0 : ++g->submitted,
                            .kind = a->kind, .dtype = a->dtype, .op = a->op, .root = a->root,
                            .group_rank = g->rank, .group_size = g->size,

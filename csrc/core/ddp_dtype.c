@@ -194,11 +194,26 @@ static inline uint8_t and_b(uint8_t a, uint8_t b) { return (uint8_t)((a != 0) & 
     default: break;                                               \
     }
 
-/* For each element type, an in-place kernel (d op= s) and an out-of-place
- * one (d = a op b); separate functions so that every pointer is restrict. */
+/* d[i] = o[i] = F(d[i], s[i]): in place and a second copy in one pass. */
+#define LOOP_DUP(F, d, o, s, n)                                                          \
+    for (size_t i_ = 0; i_ < (n); i_++) (o)[i_] = (d)[i_] = F((d)[i_], (s)[i_])
+
+/* For each element type, an in-place kernel (d op= s), the same with a copy
+ * of each result (o), and an out-of-place one (d = a op b); separate
+ * functions so that every pointer is restrict. */
 #define DEF_KERNELS(sfx, T, ADD, MUL, MIN, MAX)                                          \
     static void red2_##sfx(ddp_redop op, T *restrict d, const T *restrict s, size_t n) {  \
         OP_SWITCH(op, ADD, MUL, MIN, MAX, AS_IS, d, d, s, n)                              \
+    }                                                                                     \
+    static void dup_##sfx(ddp_redop op, T *restrict d, T *restrict o, const T *restrict s, \
+                          size_t n) {                                                     \
+        switch (op) {                                                                     \
+        case DDP_SUM: case DDP_AVG: LOOP_DUP(ADD, d, o, s, n); break;                     \
+        case DDP_PRODUCT: LOOP_DUP(MUL, d, o, s, n); break;                               \
+        case DDP_MIN: LOOP_DUP(MIN, d, o, s, n); break;                                   \
+        case DDP_MAX: LOOP_DUP(MAX, d, o, s, n); break;                                   \
+        default: break;                                                                   \
+        }                                                                                 \
     }                                                                                     \
     static void red3_##sfx(ddp_redop op, T *restrict d, const T *restrict a,              \
                            const T *restrict b, size_t n) {                               \
@@ -225,6 +240,22 @@ void ddp_reduce(ddp_dtype t, ddp_redop op, void *dst, const void *src, size_t n)
     case DDP_INT32: red2_i32(op, dst, src, n); break;
     case DDP_INT64: red2_i64(op, dst, src, n); break;
     case DDP_BOOL: red2_b(op, dst, src, n); break;
+    default: break;
+    }
+}
+
+void ddp_reduce_dup(ddp_dtype t, ddp_redop op, void *dst, void *out, const void *src,
+                    size_t n) {
+    switch (t) {
+    case DDP_FLOAT16: dup_f16(op, dst, out, src, n); break;
+    case DDP_BFLOAT16: dup_bf16(op, dst, out, src, n); break;
+    case DDP_FLOAT32: dup_f32(op, dst, out, src, n); break;
+    case DDP_FLOAT64: dup_f64(op, dst, out, src, n); break;
+    case DDP_INT8: dup_i8(op, dst, out, src, n); break;
+    case DDP_UINT8: dup_u8(op, dst, out, src, n); break;
+    case DDP_INT32: dup_i32(op, dst, out, src, n); break;
+    case DDP_INT64: dup_i64(op, dst, out, src, n); break;
+    case DDP_BOOL: dup_b(op, dst, out, src, n); break;
     default: break;
     }
 }

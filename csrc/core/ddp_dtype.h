@@ -37,6 +37,11 @@ ddp_status ddp_redop_check(ddp_dtype t, ddp_redop op);
  * wrap, so integer AVG must go through the accumulators below. */
 void ddp_reduce(ddp_dtype t, ddp_redop op, void *dst, const void *src, size_t n);
 
+/* dst[i] = dst[i] op src[i] and out[i] = the same value, in one pass (the
+ * three do not overlap): a result kept and sent on at once. */
+void ddp_reduce_dup(ddp_dtype t, ddp_redop op, void *dst, void *out, const void *src,
+                    size_t n);
+
 /* dst[i] = a[i] op b[i] (out of place; dst may alias a). */
 void ddp_reduce3(ddp_dtype t, ddp_redop op, void *dst, const void *a,
                  const void *b, size_t n);

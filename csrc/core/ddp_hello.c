@@ -20,6 +20,8 @@ void ddp_hello_encode(const ddp_hello *h, unsigned char out[DDP_HELLO_BYTES]) {
     ddp_le_put32(out + 20, (uint32_t)h->size);
     ddp_le_put32(out + 24, h->flags);
     ddp_le_put32(out + 28, h->stream);
+    ddp_le_put32(out + 32, (uint32_t)h->to);
+    ddp_le_put32(out + 36, h->spare);
 }
 
 void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h) {
@@ -30,6 +32,8 @@ void ddp_hello_decode(const unsigned char in[DDP_HELLO_BYTES], ddp_hello *h) {
     h->size = (int32_t)ddp_le_get32(in + 20);
     h->flags = ddp_le_get32(in + 24);
     h->stream = ddp_le_get32(in + 28);
+    h->to = (int32_t)ddp_le_get32(in + 32);
+    h->spare = ddp_le_get32(in + 36);
 }
 
 void ddp_hello_purpose(uint64_t tag, int from, int to, int size, int stream, char *out,
@@ -78,6 +82,9 @@ ddp_status ddp_hello_connect_v(int fd, const ddp_auth *a, const char *purpose, d
     if (verdict == DDP_HELLO_BROKEN)
         return ddp_error(DDP_ERR_CLOSED, "%s has already failed (its process group is "
                          "broken: see its error)", peer);
+    if (verdict == DDP_HELLO_GONE)
+        return ddp_error(DDP_ERR_CLOSED, "%s has left the process group (its process "
+                         "destroyed it, or ended it after a failure: see its output)", peer);
     if (verdict == DDP_HELLO_OK && a == NULL) return DDP_OK;
     if (verdict == DDP_HELLO_AUTH && a != NULL) return ddp_auth_initiate(fd, a, purpose, w, peer);
     if (verdict == DDP_HELLO_NEED_TOKEN || (verdict == DDP_HELLO_AUTH && a == NULL))

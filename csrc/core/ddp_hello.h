@@ -6,10 +6,13 @@
  *
  * On the wire (little-endian): hello = u32 magic, u32 wire version, u64
  * group tag, i32 rank, i32 size, u32 flags (bit 0: the sender has a token),
- * u32 stream: 32 bytes. stream is the connection's index among the sockets
- * of one striped link (PYDDP_NSOCKS_PERPEER): 0 for the first, the one every
- * pair has (so a hello from before striping, which sent zero there, reads
- * the same), 1.. for the extra ones made after the shared-memory upgrade. Reply = u32 magic, u32 verdict: 8 bytes. With
+ * u32 stream, i32 to, u32 spare (0): 40 bytes. stream is the connection's index
+ * among the sockets of one striped link (PYDDP_NSOCKS_PERPEER): 0 for the
+ * first, the one every pair has, 1.. for the extra ones made after the
+ * shared-memory upgrade. to is the rank the sender dials: the process's one
+ * data port serves every group and rank of the process (ddp_listen.h), so
+ * (tag, to) names the communicator. The first 24 bytes are laid out alike in
+ * every wire version. Reply = u32 magic, u32 verdict: 8 bytes. With
  * verdict DDP_HELLO_AUTH the challenge-response of ddp_auth.h follows, the
  * connecting rank being the initiator.
  */
@@ -24,7 +27,7 @@
 
 #define DDP_HELLO_MAGIC 0x44445048u       /* "HPDD" */
 #define DDP_HELLO_REPLY_MAGIC 0x52445048u /* "HPDR" */
-#define DDP_HELLO_BYTES 32
+#define DDP_HELLO_BYTES 40
 #define DDP_HELLO_REPLY_BYTES 8
 #define DDP_HELLO_HAS_TOKEN 1u
 /* How long a failed authentication may go unanswered by a good connection
@@ -38,7 +41,9 @@ enum {
     DDP_HELLO_NO_TOKEN = 3,  /* the sender has a token, the acceptor none: closed */
     DDP_HELLO_DUPLICATE = 4, /* the acceptor keeps its own connection to the sender
                               * (both dialed; the higher rank's wins): closed */
-    DDP_HELLO_BROKEN = 5     /* the acceptor's process group has failed: closed */
+    DDP_HELLO_BROKEN = 5,    /* the acceptor's process group has failed: closed */
+    DDP_HELLO_GONE = 6       /* no such group or rank in the acceptor's process (it
+                              * left the group; the port serves its other groups) */
 };
 
 typedef struct ddp_hello {
@@ -49,6 +54,8 @@ typedef struct ddp_hello {
     int32_t size;
     uint32_t flags;
     uint32_t stream; /* 0: the link's first socket; k > 0: its extra socket k */
+    int32_t to;      /* the rank dialed */
+    uint32_t spare;  /* sent as 0, kept as read (so a hello decodes and encodes alike) */
 } ddp_hello;
 
 void ddp_hello_encode(const ddp_hello *h, unsigned char out[DDP_HELLO_BYTES]);
@@ -68,14 +75,15 @@ ddp_status ddp_hello_connect(int fd, const ddp_auth *a, const char *purpose, ddp
                              const char *peer);
 
 /* ddp_hello_connect that also reports the acceptor's verdict (0 if no
- * reply came). DDP_HELLO_DUPLICATE and DDP_HELLO_BROKEN fail with
- * DDP_ERR_CLOSED, the latter's message saying that the peer's process group
- * has already failed. */
+ * reply came). DDP_HELLO_DUPLICATE, DDP_HELLO_BROKEN and DDP_HELLO_GONE fail
+ * with DDP_ERR_CLOSED, the latter two saying that the peer's process group
+ * has already failed, or that the peer left it. */
 ddp_status ddp_hello_connect_v(int fd, const ddp_auth *a, const char *purpose, ddp_wait w,
                                const char *peer, uint32_t *verdict);
 
-/* Accepting side, turning a connection away with verdict (DDP_HELLO_DUPLICATE
- * or DDP_HELLO_BROKEN) before any handshake; best effort, bounded by w. */
+/* Accepting side, turning a connection away with verdict (DDP_HELLO_DUPLICATE,
+ * DDP_HELLO_BROKEN or DDP_HELLO_GONE) before any handshake; best effort,
+ * bounded by w. */
 void ddp_hello_refuse(int fd, uint32_t verdict, ddp_wait w);
 
 /* Accepting side, for a hello h already checked to be this group's: reply

@@ -33,6 +33,8 @@
 /* Links that can park: yield this many rounds after spinning, then park. */
 #define PARK_AFTER_YIELDS 16
 #define PARK_US 1000
+/* Idle rounds of a spinning wait between two reads of the clock. */
+#define CLOCK_ROUNDS 16
 /* How often an idle transfer asks its links' check op (ms). */
 #define CHECK_EVERY_MS 1000
 
@@ -75,6 +77,20 @@ static void take_held(ddp_link *l, ddp_xfer *t) {
 static ddp_status xfer_try(ddp_xfer *t, int *moved) {
     ddp_link *l = t->link;
     size_t before = t->done;
+    if (t->peek) { /* direct access: only whether want bytes are there */
+        const void *rp;
+        void *sp;
+        size_t got = 0;
+        ddp_status st = t->send ? l->ops->tx_reserve(l, t->want, &sp, &got)
+                                : l->ops->rx_peek(l, t->want, &rp, &got);
+        if (st == DDP_OK && got >= t->want) {
+            t->done = t->len;
+            *moved = 1;
+        }
+        if (st != DDP_OK)
+            ddp_error_prefix(st, "%s %s: ", direction(t), l->desc);
+        return st;
+    }
     if (!t->send && l->held_len > 0) {
         take_held(l, t);
         *moved = 1;
@@ -254,7 +270,14 @@ static ddp_status xfer_drive(ddp_xfer *x, int n, ddp_wait w, int any, int *which
             st = xfer_stuck(DDP_ERR_ABORTED, unmet, start);
             goto out;
         }
-        if (ddp_wait_expired(w)) {
+        /* The clock once a round, and while spinning only every few rounds
+         * (a spin round is a few hundred cycles; the clock is not free). */
+        if (!moved && idle % CLOCK_ROUNDS != 0) {
+            if ((st = xfer_wait(x, n, &fs, w, &idle)) != DDP_OK) goto out;
+            continue;
+        }
+        const int64_t now = ddp_now_ms();
+        if (w.deadline_ms != DDP_NO_DEADLINE && now >= w.deadline_ms) {
             st = xfer_stuck(DDP_ERR_TIMEOUT, unmet, start);
             goto out;
         }
@@ -263,15 +286,15 @@ static ddp_status xfer_drive(ddp_xfer *x, int n, ddp_wait w, int any, int *which
             progressed = 1;
             continue;
         }
-        if (progressed) { /* read the clock when idle only, not per chunk moved */
+        if (progressed) { /* idle again: the liveness checks count from here */
             progressed = 0;
-            checked = ddp_now_ms();
-        } else if (ddp_now_ms() - checked >= CHECK_EVERY_MS) {
-            checked = ddp_now_ms();
+            checked = now;
+        } else if (now - checked >= CHECK_EVERY_MS) {
+            checked = now;
             if ((st = xfer_check(x, n)) != DDP_OK) goto out;
         }
-        if (w.check && ddp_now_ms() - hooked >= DDP_WAIT_SLICE_MS) {   /* past any spin */
-            hooked = ddp_now_ms();
+        if (w.check && now - hooked >= DDP_WAIT_SLICE_MS) {   /* past any spin */
+            hooked = now;
             if (w.check(w.check_ctx)) {
                 st = xfer_stuck(DDP_ERR_ABORTED, unmet, start);
                 goto out;
@@ -292,6 +315,53 @@ ddp_status ddp_link_xfer_any(ddp_xfer *x, int n, ddp_wait w, int *which) {
     *which = -1;
     if (n <= 0) return ddp_error(DDP_ERR_INTERNAL, "ddp_link_xfer_any without transfers");
     return xfer_drive(x, n, w, 1, which);
+}
+
+int ddp_link_direct(const ddp_link *l) {
+    return l != NULL && l->ops->rx_peek != NULL && l->held_len == 0;
+}
+
+ddp_status ddp_link_wait_direct(ddp_link *rx, size_t rmin, ddp_link *tx, size_t tmin,
+                                ddp_wait w) {
+    ddp_xfer x[2];
+    int n = 0;
+    if (tx)
+        x[n++] = (ddp_xfer){.link = tx, .send = 1, .peek = 1, .len = tmin, .want = tmin};
+    if (rx)
+        x[n++] = (ddp_xfer){.link = rx, .send = 0, .peek = 1, .len = rmin, .want = rmin};
+    return ddp_link_xfer(x, n, w);
+}
+
+ddp_status ddp_link_direct_align(ddp_link *tx, ddp_link *rx, size_t align, ddp_wait w) {
+    if (tx && tx->ops->direct_pos == NULL) tx = NULL;
+    if (rx && rx->ops->direct_pos == NULL) rx = NULL;
+    if (rx && rx->held_len > 0)
+        return ddp_error(DDP_ERR_INTERNAL, "aligning the stream from %s with %zu bytes held "
+                         "back", rx->desc, rx->held_len);
+    size_t tpad = tx ? (size_t)(-tx->ops->direct_pos(tx, 1) & (align - 1)) : 0;
+    size_t rpad = rx ? (size_t)(-rx->ops->direct_pos(rx, 0) & (align - 1)) : 0;
+    while (tpad > 0 || rpad > 0) {
+        const void *rp;
+        void *tp;
+        size_t rn = 0, tn = 0;
+        ddp_status st = DDP_OK;
+        if (tpad > 0 && (st = tx->ops->tx_reserve(tx, 1, &tp, &tn)) == DDP_OK && tn > 0) {
+            if (tn > tpad) tn = tpad;
+            memset(tp, 0, tn);
+            tx->ops->tx_commit(tx, tn);
+            tpad -= tn;
+        }
+        if (st == DDP_OK && rpad > 0 && (st = rx->ops->rx_peek(rx, 1, &rp, &rn)) == DDP_OK &&
+            rn > 0) {
+            if (rn > rpad) rn = rpad;
+            rx->ops->rx_consume(rx, rn);
+            rpad -= rn;
+        }
+        if (st == DDP_OK && (tpad > 0 || rpad > 0) && tn == 0 && rn == 0)
+            st = ddp_link_wait_direct(rpad ? rx : NULL, 1, tpad ? tx : NULL, 1, w);
+        if (st != DDP_OK) return st;
+    }
+    return DDP_OK;
 }
 
 ddp_status ddp_link_unread(ddp_link *l, const void *buf, size_t n) {

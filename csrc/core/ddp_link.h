@@ -17,6 +17,7 @@
 
 #include <poll.h>
 #include <stddef.h>
+#include <stdint.h>
 #include "ddp_clock.h"
 #include "ddp_status.h"
 
@@ -55,7 +56,29 @@ typedef struct ddp_link_ops {
      * spin). Fills at most max entries of fds (fd and events) and returns
      * how many it has, which may exceed max (call again with more room). */
     int (*poll_fds)(ddp_link *l, int send, struct pollfd *fds, int max);
+    /* Optional, all four or none (a shared-memory link has them): direct
+     * access to the link's own buffers, for algorithms that combine
+     * received bytes where they lie and produce bytes straight into the
+     * link (ddp_coll_slice.c), with no staging copy. rx_peek points *p at
+     * the next received bytes, contiguous, without consuming them: *n >= min
+     * of them, or *n == 0 when fewer are there now (DDP_OK: wait and ask
+     * again), or a failure as recv_some's (the peer gone, a shutdown).
+     * rx_consume(l, k) consumes the first k <= *n. tx_reserve and tx_commit
+     * do the same for room to send: the k bytes written at *p are sent by
+     * tx_commit(l, k). min is at most DDP_LINK_DIRECT_MIN. Between calls
+     * they mix freely with send_some and recv_some. */
+    ddp_status (*rx_peek)(ddp_link *l, size_t min, const void **p, size_t *n);
+    void (*rx_consume)(ddp_link *l, size_t k);
+    ddp_status (*tx_reserve)(ddp_link *l, size_t min, void **p, size_t *n);
+    void (*tx_commit)(ddp_link *l, size_t k);
+    /* Bytes this end has sent (send) or taken (receive) through its buffers
+     * so far: at the same point of the stream both ends count the same, so
+     * they agree on the padding that aligns it (ddp_link_direct_align). */
+    uint64_t (*direct_pos)(ddp_link *l, int send);
 } ddp_link_ops;
+
+/* Largest `min` of the direct-access ops: one element of any dtype. */
+#define DDP_LINK_DIRECT_MIN 16
 
 /* Most bytes a link holds back for its next receive (ddp_link_unread). */
 #define DDP_LINK_HELD_MAX 64
@@ -69,6 +92,7 @@ struct ddp_link {
      * give them to the next receives before reading the transport again. */
     unsigned char held[DDP_LINK_HELD_MAX];
     size_t held_len;
+    size_t direct_room;    /* direct-access links: bytes buffered per direction */
 };
 
 /* Blocking drivers: move exactly n bytes or fail with TIMEOUT, ABORTED,
@@ -92,6 +116,9 @@ ddp_status ddp_link_sendrecv(ddp_link *sl, const void *sbuf, size_t sn,
 typedef struct ddp_xfer {
     ddp_link *link;
     int send;
+    int peek;              /* direct-access links only: move nothing, wait until
+                            * `want` bytes can be peeked (receive) or reserved
+                            * (send); done is then set to len (= want) */
     const void *src;
     void *dst;
     size_t len, want, done;
@@ -110,6 +137,35 @@ ddp_status ddp_link_xfer(ddp_xfer *x, int n, ddp_wait w);
  * fails only when every transfer failed (the last failure), or with TIMEOUT
  * or ABORTED. Transfers must have done < want on entry. */
 ddp_status ddp_link_xfer_any(ddp_xfer *x, int n, ddp_wait w, int *which);
+
+/* Whether l has the direct-access ops and nothing held back for its next
+ * receive (ddp_link_unread), so that ddp_link_rx_peek sees its stream. */
+int ddp_link_direct(const ddp_link *l);
+
+/* Wait until rx (if not NULL) has at least rmin bytes to peek and tx (if
+ * not NULL) room to reserve tmin, by w: the ddp_link_xfer engine with its
+ * deadline, abort flag, parking and liveness checks. Both links must be
+ * direct (ddp_link_direct); rx and tx may be the same link. */
+ddp_status ddp_link_wait_direct(ddp_link *rx, size_t rmin, ddp_link *tx, size_t tmin,
+                                ddp_wait w);
+
+/* Pad the stream to a multiple of align (a power of two, at most 4096) on
+ * every link given that has the direct-access ops: tx's sending side writes
+ * the padding, rx's receiving side skips it (either may be NULL). Both ends
+ * of a link must call it at the same point of its stream; links without the
+ * ops are left alone (and so are both their ends). By w. */
+ddp_status ddp_link_direct_align(ddp_link *tx, ddp_link *rx, size_t align, ddp_wait w);
+
+/* The direct-access ops of a direct link (contract at ddp_link_ops). */
+static inline ddp_status ddp_link_rx_peek(ddp_link *l, size_t min, const void **p,
+                                          size_t *n) {
+    return l->ops->rx_peek(l, min, p, n);
+}
+static inline void ddp_link_rx_consume(ddp_link *l, size_t k) { l->ops->rx_consume(l, k); }
+static inline ddp_status ddp_link_tx_reserve(ddp_link *l, size_t min, void **p, size_t *n) {
+    return l->ops->tx_reserve(l, min, p, n);
+}
+static inline void ddp_link_tx_commit(ddp_link *l, size_t k) { l->ops->tx_commit(l, k); }
 
 /* Hand back n bytes received from l (n + what l already holds at most
  * DDP_LINK_HELD_MAX): the next receive on l gets them first, in front of

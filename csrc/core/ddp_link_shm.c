@@ -46,30 +46,8 @@
 #define SHM_SLICE (64u << 10)        /* publish head/tail at least this often */
 #define CMA_PIECE (1u << 20)         /* bytes per process_vm_readv call */
 #define LIVENESS_PERIOD_US 1000      /* how often an idle side polls the socket */
+#define IDLE_SPINS_PER_CLOCK 16      /* idle checks between clock reads while spinning */
 
-typedef struct shm_impl {
-    ddp_shm_seg *seg;
-    shm_hdr *h;
-    int side;
-    size_t cap, mask;
-    uint8_t *tx, *rx;               /* data areas of the send and receive rings */
-    shm_ring_ctl *txc, *rxc;
-    uint64_t tx_head, tx_tail_seen; /* producer's own head, last tail seen */
-    uint64_t rx_tail, rx_head_seen; /* consumer's own tail, last head seen */
-    /* descriptor path, sending */
-    size_t cma_min;
-    uint64_t desc_seq;              /* descriptors posted by this side */
-    int desc_active;
-    uint64_t desc_len, desc_reported;
-    /* descriptor path, receiving */
-    uint64_t rx_desc_seen, rx_desc_done;
-    uint64_t rx_addr, rx_len, rx_copied;
-    int64_t peer_pid;               /* read once at creation (the peer may rewrite it) */
-    ddp_link *liveness;             /* the pair's TCP link, idle after the upgrade */
-    int64_t last_check_us;
-    uint64_t park_sig;              /* the peer's counters when we last parked */
-    atomic_int shut;
-} shm_impl;
 
 /* ---- parking: sleep until the peer moves ------------------------------ */
 
@@ -86,7 +64,7 @@ static uint64_t peer_signature(const shm_impl *s) {
 
 /* After publishing progress: wake the peer if it is parked. The fence pairs
  * with shm_park's, so either the peer sees our counter or we see its flag. */
-static void wake_peer(shm_impl *s) {
+void ddp_shm_wake_peer(shm_impl *s) {
     int p = 1 - s->side;
     atomic_thread_fence(memory_order_seq_cst);
     if (!atomic_load_explicit(&s->h->sleeping[p], memory_order_relaxed)) return;
@@ -116,6 +94,7 @@ static void shm_park(ddp_link *l, int timeout_us) {
         sig = peer_signature(s);
     }
     s->park_sig = sig;
+    s->parked = 1;
     atomic_store_explicit(&h->sleeping[s->side], 0u, memory_order_relaxed);
 }
 
@@ -136,7 +115,7 @@ static int liveness_lost(ddp_link *tcp) {
 }
 
 /* Same status and wording as the TCP link's after a local shutdown. */
-static ddp_status local_shutdown_error(void) {
+ddp_status ddp_shm_local_shutdown(void) {
     return ddp_error(DDP_ERR_ABORTED, "the link was shut down on this rank (the "
                      "communicator was aborted or broken by an earlier error)");
 }
@@ -145,14 +124,18 @@ static ddp_status local_shutdown_error(void) {
  * DDP_ERR_CLOSED if this side shut down or the peer is gone. recheck says
  * whether data/space appeared meanwhile (the peer may write its last bytes
  * and then close); it is consulted before reporting the peer gone. */
-static ddp_status idle_check(shm_impl *s, int (*recheck)(shm_impl *)) {
+ddp_status ddp_shm_idle_check(shm_impl *s, int (*recheck)(shm_impl *)) {
     if (atomic_load_explicit(&s->shut, memory_order_relaxed))
-        return local_shutdown_error();
+        return ddp_shm_local_shutdown();
     const char *why = NULL;
     if (atomic_load_explicit(&s->h->closed[1 - s->side], memory_order_acquire)) {
         why = "closed its end of the shared-memory link (it failed, aborted or left the "
               "process group)";
-    } else {
+    } else if (s->parked || ++s->idle_spins >= IDLE_SPINS_PER_CLOCK) {
+        /* The clock is read after a park, or every few spins: a spinning
+         * rank asks often, and the clock is not free. */
+        s->parked = 0;
+        s->idle_spins = 0;
         int64_t now = ddp_now_us();
         if (now - s->last_check_us >= LIVENESS_PERIOD_US) {
             s->last_check_us = now;
@@ -167,18 +150,18 @@ static ddp_status idle_check(shm_impl *s, int (*recheck)(shm_impl *)) {
 
 /* ---- ring progress -------------------------------------------------- */
 
-static int tx_has_space(shm_impl *s) {
+int ddp_shm_tx_has_space(shm_impl *s) {
     uint64_t t = atomic_load_explicit(&s->txc->tail, memory_order_acquire);
     return s->tx_head - t < s->cap;
 }
 
-static int rx_has_data(shm_impl *s) {
+int ddp_shm_rx_has_data(shm_impl *s) {
     return atomic_load_explicit(&s->rxc->head, memory_order_acquire) != s->rx_tail;
 }
 
 /* The peer's counter moved somewhere a correct peer never puts it (a
  * consumer ahead of the producer, or more bytes than the ring holds). */
-static ddp_status corrupt_counter(const shm_impl *s, const char *which, uint64_t mine,
+ddp_status ddp_shm_corrupt(const shm_impl *s, const char *which, uint64_t mine,
                                   uint64_t theirs) {
     return ddp_error(DDP_ERR_PROTOCOL, "the peer's %s counter of the shared-memory ring is "
                      "inconsistent (%llu against this side's %llu, ring of %zu bytes): the "
@@ -191,10 +174,10 @@ static ddp_status ring_send(shm_impl *s, const uint8_t *src, size_t want, size_t
     if (s->cap - (size_t)(s->tx_head - s->tx_tail_seen) < want) {
         s->tx_tail_seen = atomic_load_explicit(&s->txc->tail, memory_order_acquire);
         if (s->tx_head - s->tx_tail_seen > s->cap) /* also catches tail > head */
-            return corrupt_counter(s, "consumer", s->tx_head, s->tx_tail_seen);
+            return ddp_shm_corrupt(s, "consumer", s->tx_head, s->tx_tail_seen);
     }
     size_t space = s->cap - (size_t)(s->tx_head - s->tx_tail_seen);
-    if (space == 0) return idle_check(s, tx_has_space);
+    if (space == 0) return ddp_shm_idle_check(s, ddp_shm_tx_has_space);
     size_t moved = 0;
     while (want > 0 && space > 0) {
         size_t k = want < space ? want : space;
@@ -210,7 +193,7 @@ static ddp_status ring_send(shm_impl *s, const uint8_t *src, size_t want, size_t
         space -= k;
     }
     *done += moved;
-    wake_peer(s);
+    ddp_shm_wake_peer(s);
     return DDP_OK;
 }
 
@@ -219,10 +202,10 @@ static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done
     if ((size_t)(s->rx_head_seen - s->rx_tail) < want) {
         s->rx_head_seen = atomic_load_explicit(&s->rxc->head, memory_order_acquire);
         if (s->rx_head_seen - s->rx_tail > s->cap) /* also catches head < tail */
-            return corrupt_counter(s, "producer", s->rx_tail, s->rx_head_seen);
+            return ddp_shm_corrupt(s, "producer", s->rx_tail, s->rx_head_seen);
     }
     size_t avail = (size_t)(s->rx_head_seen - s->rx_tail);
-    if (avail == 0) return idle_check(s, rx_has_data);
+    if (avail == 0) return ddp_shm_idle_check(s, ddp_shm_rx_has_data);
     size_t moved = 0;
     while (want > 0 && avail > 0) {
         size_t k = want < avail ? want : avail;
@@ -238,7 +221,7 @@ static ddp_status ring_recv(shm_impl *s, uint8_t *dst, size_t want, size_t *done
         avail -= k;
     }
     *done += moved;
-    wake_peer(s);
+    ddp_shm_wake_peer(s);
     return DDP_OK;
 }
 
@@ -275,8 +258,8 @@ static int desc_moved(shm_impl *s) {
 /* Report the receiver's progress on our outstanding descriptor. */
 static ddp_status desc_progress(shm_impl *s, size_t *done) {
     uint64_t c = atomic_load_explicit(&s->h->desc[s->side].copied, memory_order_acquire);
-    if (c > s->desc_len) return corrupt_counter(s, "copied", s->desc_len, c);
-    if (c <= s->desc_reported) return idle_check(s, desc_moved);
+    if (c > s->desc_len) return ddp_shm_corrupt(s, "copied", s->desc_len, c);
+    if (c <= s->desc_reported) return ddp_shm_idle_check(s, desc_moved);
     *done += (size_t)(c - s->desc_reported);
     s->desc_reported = c;
     if (c == s->desc_len) s->desc_active = 0;
@@ -294,12 +277,12 @@ static ddp_status desc_post(shm_impl *s, const uint8_t *src, size_t len, size_t 
     s->desc_len = len;
     s->desc_reported = 0;
     atomic_store_explicit(&d->posted, ++s->desc_seq, memory_order_release);
-    wake_peer(s);
+    ddp_shm_wake_peer(s);
     return desc_progress(s, done);
 }
 
 /* Copy the next bytes of the peer's outstanding descriptor into dst. */
-static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t want,
+ddp_status ddp_shm_desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t want,
                             size_t *done) {
     shm_desc *d = &s->h->desc[1 - s->side];
     if (s->rx_desc_seen != posted) {
@@ -340,7 +323,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
     *done += (size_t)r;
     if (s->rx_copied == s->rx_len) s->rx_desc_done = posted;
     atomic_store_explicit(&d->copied, s->rx_copied, memory_order_release);
-    wake_peer(s);
+    ddp_shm_wake_peer(s);
     return DDP_OK;
 }
 
@@ -349,7 +332,7 @@ static ddp_status desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t w
 static ddp_status shm_send_some(ddp_link *l, const void *buf, size_t n, size_t *done) {
     shm_impl *s = l->impl;
     if (*done >= n) return DDP_OK;
-    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return local_shutdown_error();
+    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return ddp_shm_local_shutdown();
     /* The peer may copy our last bytes and close at once: progress first. */
     if (s->desc_active) return desc_progress(s, done);
     /* Bytes for a peer that has closed would never be read. */
@@ -361,7 +344,7 @@ static ddp_status shm_send_some(ddp_link *l, const void *buf, size_t n, size_t *
     size_t want = n - *done;
     if (want >= s->cma_min &&
         atomic_load_explicit(&s->h->cma_ok[s->side], memory_order_acquire)) {
-        if (!tx_drained(s)) return idle_check(s, tx_drained);
+        if (!tx_drained(s)) return ddp_shm_idle_check(s, tx_drained);
         return desc_post(s, src, want, done);
     }
     return ring_send(s, src, want, done);
@@ -370,11 +353,18 @@ static ddp_status shm_send_some(ddp_link *l, const void *buf, size_t n, size_t *
 static ddp_status shm_recv_some(ddp_link *l, void *buf, size_t n, size_t *done) {
     shm_impl *s = l->impl;
     if (*done >= n) return DDP_OK;
-    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return local_shutdown_error();
+    if (atomic_load_explicit(&s->shut, memory_order_relaxed)) return ddp_shm_local_shutdown();
+    if (s->rxb_len > s->rxb_pos) { /* bytes a peek took out of the ring or a descriptor */
+        size_t k = s->rxb_len - s->rxb_pos < n - *done ? s->rxb_len - s->rxb_pos : n - *done;
+        memcpy((uint8_t *)buf + *done, s->rxb + s->rxb_pos, k);
+        ddp_shm_rx_consume(l, k);
+        *done += k;
+        return DDP_OK;
+    }
     uint64_t posted = atomic_load_explicit(&s->h->desc[1 - s->side].posted,
                                            memory_order_acquire);
     uint8_t *dst = (uint8_t *)buf + *done;
-    if (posted != s->rx_desc_done) return desc_recv(s, posted, dst, n - *done, done);
+    if (posted != s->rx_desc_done) return ddp_shm_desc_recv(s, posted, dst, n - *done, done);
     return ring_recv(s, dst, n - *done, done);
 }
 
@@ -388,7 +378,7 @@ static void shm_shutdown(ddp_link *l) {
     shm_impl *s = l->impl;
     atomic_store(&s->shut, 1);
     atomic_store_explicit(&s->h->closed[s->side], 1u, memory_order_release);
-    wake_peer(s);
+    ddp_shm_wake_peer(s);
     if (s->liveness) ddp_link_shutdown(s->liveness);
 }
 
@@ -397,9 +387,10 @@ static void shm_destroy(ddp_link *l) {
     if (s == NULL) return;
     /* Tell a peer still waiting on us, before the mapping goes away. */
     atomic_store_explicit(&s->h->closed[s->side], 1u, memory_order_release);
-    wake_peer(s);
+    ddp_shm_wake_peer(s);
     ddp_link_free(s->liveness);
     ddp_shm_seg_close(s->seg);
+    free(s->rxb);
     free(s);
     l->impl = NULL;
 }
@@ -412,6 +403,11 @@ static const ddp_link_ops shm_ops = {
     .shutdown = shm_shutdown,
     .destroy = shm_destroy,
     .park = shm_park,
+    .rx_peek = ddp_shm_rx_peek,
+    .rx_consume = ddp_shm_rx_consume,
+    .tx_reserve = ddp_shm_tx_reserve,
+    .tx_commit = ddp_shm_tx_commit,
+    .direct_pos = ddp_shm_direct_pos,
 };
 
 static size_t cma_min_bytes(void) {
@@ -457,5 +453,6 @@ ddp_link *ddp_link_shm_new(ddp_shm_seg *seg, int side, ddp_link *liveness, int p
     l->peer = peer;
     snprintf(l->desc, sizeof l->desc, "%s", desc ? desc : "peer");
     l->impl = s;
+    l->direct_room = s->cap;
     return l;
 }

@@ -84,4 +84,64 @@ struct ddp_shm_seg {
     size_t ring_bytes;  /* (map_len - DATA_OFFSET) / 2, a power of two */
 };
 
+/* This process's state of one shared-memory link (ddp_link_shm.c). */
+typedef struct shm_impl {
+    ddp_shm_seg *seg;
+    shm_hdr *h;
+    int side;
+    size_t cap, mask;
+    uint8_t *tx, *rx;               /* data areas of the send and receive rings */
+    shm_ring_ctl *txc, *rxc;
+    uint64_t tx_head, tx_tail_seen; /* producer's own head, last tail seen */
+    uint64_t rx_tail, rx_head_seen; /* consumer's own tail, last head seen */
+    /* descriptor path, sending */
+    size_t cma_min;
+    uint64_t desc_seq;              /* descriptors posted by this side */
+    int desc_active;
+    uint64_t desc_len, desc_reported;
+    /* descriptor path, receiving */
+    uint64_t rx_desc_seen, rx_desc_done;
+    uint64_t rx_addr, rx_len, rx_copied;
+    int64_t peer_pid;               /* read once at creation (the peer may rewrite it) */
+    ddp_link *liveness;             /* the pair's TCP link, idle after the upgrade */
+    int64_t last_check_us;
+    int parked, idle_spins;         /* idle checks since the last clock read */
+    uint64_t park_sig;              /* the peer's counters when we last parked */
+    atomic_int shut;
+    /* direct access (ddp_link_shm_direct.c): received bytes a peek could not
+     * show where they lie (a descriptor's, or an element split by the ring's
+     * wrap) are copied to rxb and shown from there first, also to recv_some;
+     * room split by the wrap is lent from txb and copied in on commit */
+    uint8_t *rxb;                   /* SHM_BOUNCE bytes, allocated on first need */
+    size_t rxb_pos, rxb_len;
+    int rx_peeked_rxb, tx_lent_txb; /* what the last peek / reserve showed */
+    uint8_t txb[DDP_LINK_DIRECT_MIN];
+} shm_impl;
+
+#define SHM_BOUNCE (64u << 10)
+
+/* Shared by ddp_link_shm.c and ddp_link_shm_direct.c. */
+/* Wake the peer if it is parked, after publishing progress. */
+void ddp_shm_wake_peer(shm_impl *s);
+/* "This link was shut down on this rank." */
+ddp_status ddp_shm_local_shutdown(void);
+/* Called when no progress was possible: DDP_OK to keep waiting, or
+ * DDP_ERR_CLOSED if this side shut down or the peer is gone (unless
+ * recheck(s) sees progress meanwhile). */
+ddp_status ddp_shm_idle_check(shm_impl *s, int (*recheck)(shm_impl *));
+int ddp_shm_tx_has_space(shm_impl *s);
+int ddp_shm_rx_has_data(shm_impl *s);
+/* A counter of the peer's is where a correct peer never puts it. */
+ddp_status ddp_shm_corrupt(const shm_impl *s, const char *which, uint64_t mine,
+                           uint64_t theirs);
+/* Copy the next bytes (at most want) of the peer's descriptor `posted` into dst. */
+ddp_status ddp_shm_desc_recv(shm_impl *s, uint64_t posted, uint8_t *dst, size_t want,
+                             size_t *done);
+/* The direct-access ops of ddp_link_ops (contract in ddp_link.h). */
+ddp_status ddp_shm_rx_peek(ddp_link *l, size_t min, const void **p, size_t *n);
+void ddp_shm_rx_consume(ddp_link *l, size_t k);
+ddp_status ddp_shm_tx_reserve(ddp_link *l, size_t min, void **p, size_t *n);
+void ddp_shm_tx_commit(ddp_link *l, size_t k);
+uint64_t ddp_shm_direct_pos(ddp_link *l, int send);
+
 #endif

@@ -84,6 +84,9 @@ typedef struct ddp_pg_info {
     /* Collectives queued or running on the communicator now (every group over
      * it); read at process exit to decide whether to wait or abort. */
     int (*pending)(void *impl);
+    /* Block until the communicator queued or ran its first collective (on any
+     * group over it), broke or was destroyed: 1; 0 when w ends first. */
+    int (*wait_used)(void *impl, ddp_wait w);
 } ddp_pg_info;
 
 typedef struct ddp_pg_ops {

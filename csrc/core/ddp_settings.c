@@ -101,9 +101,10 @@ static const ddp_setting_decl table[] = {
      "with an error naming etcd; a membership change needed meanwhile ends it after "
      "`PYDDP_ETCD_TIMEOUT`", "`pyddp.elastic`"},
     {"PYDDP_PORT_RANGE", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
-     "`lo-hi`: the data port each rank listens on is taken from this range (for "
-     "firewalled VMs whose security group opens only a range; a rank of an in-place "
-     "elastic job takes one more, for its liveness port). Without it, an ephemeral port", "CPU transport"},
+     "`lo-hi`: the data port each rank's process listens on (one for all its groups) is "
+     "taken from this range (for firewalled VMs whose security group opens only a range; "
+     "a rank of an in-place elastic job takes one more, for its liveness port). Without "
+     "it, an ephemeral port", "CPU transport"},
     {"PYDDP_AUTH_TOKEN", DDP_SETTING_STRING, NULL, 0, 0, 0, CORE,
      "shared secret, the same on every node: every pyddp connection (data links, pyddp's "
      "store) then starts with a mutual HMAC-SHA256 challenge-response (see "
@@ -137,7 +138,9 @@ static const ddp_setting_decl table[] = {
      "bandwidth-path algorithm across hosts: `auto` (hierarchical when the group spans "
      "several hosts and some host has several of its ranks, else the flat ring; a broadcast "
      "keeps the flat chain where it already enters each host once), `flat` or `hier` "
-     "(forced, where the layout allows it; for tests and benchmarks)", "CPU transport"},
+     "(forced, where the layout allows it; for tests and benchmarks), or `block` (flat, and "
+     "a group on one host runs the ring's blocks one after another instead of slice by "
+     "slice: the all-reduce before slices, for comparisons)", "CPU transport"},
     {"PYDDP_HIER_MIN_BYTES", DDP_SETTING_BYTES, "1048576", MIB, 0, NOMAX, CORE,
      "with `PYDDP_ALGO=auto`, messages from this size up take the hierarchical algorithms "
      "(smaller ones the flat ring, whose fewer stages cost less latency)", "CPU transport"},

@@ -11,9 +11,12 @@
  * call py_pg_args.c.
  *
  * ProcessGroup(store, rank, size, prefix, advertise_host, bind_host, port_lo,
- *              port_hi, timeout_ms, version, host_id)
+ *              port_hi, timeout_ms, version, host_id, agree_round=False)
  *   rendezvous (collective; Ctrl-C aborts it); store is held (a reference on
  *   its C client) for the whole rendezvous, so closing it meanwhile is safe.
+ *   agree_round: prefix is the start's base, and the ranks agree on a round in
+ *   the rendezvous (a store that outlives the workers); .prefix is the
+ *   group's key prefix, round included.
  * subgroup(ranks, tag[, algo]) -> ProcessGroup   member-only, no communication
  *                                 (algo: DDP_ALGO_*, default PYDDP_ALGO): a
  *   view over this group's links for the group ranks `ranks` (increasing).
@@ -94,16 +97,16 @@ static void create_run(void *p) {
 static PyObject *pg_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"store", "rank", "size", "prefix", "advertise_host",
                              "bind_host", "port_lo", "port_hi", "timeout_ms", "version",
-                             "host_id", NULL};
+                             "host_id", "agree_round", NULL};
     PyObject *store_obj;
     create_job j;
     memset(&j, 0, sizeof j);
     long long timeout_ms;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiisssiiLss", kwlist, &store_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiisssiiLss|p", kwlist, &store_obj,
                                      &j.cfg.rank, &j.cfg.size, &j.cfg.prefix,
                                      &j.cfg.advertise_host, &j.cfg.bind_host,
                                      &j.cfg.port_lo, &j.cfg.port_hi, &timeout_ms,
-                                     &j.cfg.version, &j.cfg.host_id))
+                                     &j.cfg.version, &j.cfg.host_id, &j.cfg.agree_round))
         return NULL;
     j.cfg.timeout_ms = timeout_ms;
     PGObject *self = (PGObject *)type->tp_alloc(type, 0);
@@ -136,8 +139,8 @@ static PyObject *pg_subgroup(PGObject *self, PyObject *args) {
     unsigned long long tag;
     int algo = -1;
     if (!PyArg_ParseTuple(args, "OK|i", &ranks, &tag, &algo)) return NULL;
-    if (algo < -1 || algo > DDP_ALGO_HIER)
-        return ddp_py_raise(DDP_ERR_INVALID, "algo must be -1 (PYDDP_ALGO) or 0..2");
+    if (algo < -1 || algo > DDP_ALGO_BLOCK)
+        return ddp_py_raise(DDP_ERR_INVALID, "algo must be -1 (PYDDP_ALGO) or 0..3");
     if (cpu_comm(self) == NULL)
         return ddp_py_raise(DDP_ERR_INVALID, "the process group was destroyed");
     PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence of ints");
@@ -245,6 +248,13 @@ static PyObject *pg_destroy(PGObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *pg_get_prefix(PGObject *self, void *closure) {
+    (void)closure;
+    ddp_comm *c = cpu_comm(self);
+    if (c == NULL) Py_RETURN_NONE;
+    return PyUnicode_FromString(ddp_comm_prefix(c));
+}
+
 static PyObject *pg_get_rank(PGObject *self, void *c) {
     ddp_pg pg = self->cpu;
     return pg.ops ? PyLong_FromLong(pg.ops->rank(pg.impl)) : ddp_py_raise(DDP_ERR_INVALID, "destroyed");
@@ -297,6 +307,9 @@ static PyMethodDef pg_methods[] = {
      "flight_record() -> [dict]: the last 64 collectives of this process's communicator"},
     {"pending", (PyCFunction)ddp_py_pg_pending, METH_NOARGS,
      "pending() -> works queued or running on this group's communicator (0 once destroyed)"},
+    {"wait_used", (PyCFunction)ddp_py_pg_wait_used, METH_VARARGS,
+     "wait_used(timeout_ms) -> bool: True once the communicator ran or queued its first "
+     "collective (any group over it), broke or was destroyed; False at the timeout"},
     {"progress", (PyCFunction)ddp_py_pg_progress, METH_NOARGS,
      "progress() -> {submitted, completed, last_done, tag} of this group"},
     {"set_stall_store", (PyCFunction)ddp_py_pg_set_stall_store, METH_VARARGS,
@@ -307,6 +320,8 @@ static PyMethodDef pg_methods[] = {
 };
 static PyGetSetDef pg_getset[] = {
     {"rank", (getter)pg_get_rank, NULL, "this rank in the group", NULL},
+    {"prefix", (getter)pg_get_prefix, NULL, "the group's store key prefix (the agreed "
+     "round's); None once destroyed", NULL},
     {"size", (getter)pg_get_size, NULL, "group size", NULL},
     {"device", (getter)pg_get_device, NULL, "CUDA device of the NCCL transport, -1 if none", NULL},
     {"has_cuda", (getter)pg_get_has_cuda, NULL, "whether NCCL is attached", NULL},

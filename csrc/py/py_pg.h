@@ -153,6 +153,9 @@ PyObject *ddp_py_pg_peer(PGObject *self, PyObject *args);
 PyObject *ddp_py_pg_transport(PGObject *self, PyObject *args);
 PyObject *ddp_py_pg_flight_record(PGObject *self, PyObject *unused);
 PyObject *ddp_py_pg_progress(PGObject *self, PyObject *unused);
+/* wait_used(timeout_ms) -> bool: True once the group's communicator ran or queued
+ * its first collective, broke or was destroyed; False at the timeout (GIL released). */
+PyObject *ddp_py_pg_wait_used(PGObject *self, PyObject *args);
 PyObject *ddp_py_pg_pending(PGObject *self, PyObject *unused);
 PyObject *ddp_py_pg_set_stall_store(PGObject *self, PyObject *args);
 

@@ -96,6 +96,21 @@ PyObject *ddp_py_pg_progress(PGObject *self, PyObject *unused) {
                          "tag", (unsigned long long)in->tag(self->cpu.impl));
 }
 
+PyObject *ddp_py_pg_wait_used(PGObject *self, PyObject *args) {
+    long long timeout_ms;
+    if (!PyArg_ParseTuple(args, "L", &timeout_ms)) return NULL;
+    const ddp_pg_info *in = ddp_pg_info_of(self->cpu);
+    if (in == NULL || in->wait_used == NULL) Py_RETURN_TRUE;   /* destroyed: nothing to wait for */
+    ddp_pg pg = self->cpu;
+    pg.ops->retain(pg.impl);   /* a destroy on another thread meanwhile keeps the memory */
+    int done;
+    Py_BEGIN_ALLOW_THREADS
+    done = in->wait_used(pg.impl, ddp_wait_for(timeout_ms, NULL));
+    Py_END_ALLOW_THREADS
+    pg.ops->release(pg.impl);
+    return PyBool_FromLong(done);
+}
+
 PyObject *ddp_py_pg_set_stall_store(PGObject *self, PyObject *args) {
     PyObject *store_obj;
     const char *prefix;

@@ -147,8 +147,9 @@ static inline void hwrap_destroy(ddp_link *l) {
     ddp_link_free(h->inner);
     free(h);
 }
-static const ddp_link_ops hwrap_ops = {"wrap", hwrap_send, hwrap_recv, hwrap_fd,
-                                       hwrap_shutdown, hwrap_destroy, NULL, NULL, NULL};
+static const ddp_link_ops hwrap_ops = {.name = "wrap", .send_some = hwrap_send,
+                                       .recv_some = hwrap_recv, .wait_fd = hwrap_fd,
+                                       .shutdown = hwrap_shutdown, .destroy = hwrap_destroy};
 
 /* Wrap inner (taken over) and return the wrapper, same peer and desc. */
 static inline ddp_link *hwrap_new(ddp_link *inner, size_t budget, int nofd) {

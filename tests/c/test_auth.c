@@ -121,7 +121,7 @@ static void hello_pair(const ddp_auth *kc, const ddp_auth *ka, ddp_status *sc,
     hello_side acc = {sv[1], ka, DDP_OK};
     pthread_t t;
     T_ASSERT(pthread_create(&t, NULL, accept_side, &acc) == 0);
-    ddp_hello h = {DDP_HELLO_MAGIC, 3, 42, 1, 2, kc ? DDP_HELLO_HAS_TOKEN : 0u, 0};
+    ddp_hello h = {DDP_HELLO_MAGIC, 3, 42, 1, 2, kc ? DDP_HELLO_HAS_TOKEN : 0u, 0, 0, 0};
     unsigned char raw[DDP_HELLO_BYTES], back[DDP_HELLO_BYTES];
     ddp_hello_encode(&h, raw);
     ddp_hello d;

@@ -33,7 +33,8 @@ static void handshake_case(const uint8_t *d, size_t n, int accept_side, int keye
     const ddp_auth *a = keyed ? &key : NULL;
     ddp_status st;
     if (accept_side) {
-        ddp_hello h = {DDP_HELLO_MAGIC, 3, 1, 1, 2, (n && (d[0] & 1)) ? DDP_HELLO_HAS_TOKEN : 0};
+        ddp_hello h = {DDP_HELLO_MAGIC, 3, 1, 1, 2, (n && (d[0] & 1)) ? DDP_HELLO_HAS_TOKEN : 0,
+                       0, 0, 0};
         st = ddp_hello_accept(sv[0], &h, a, "fuzz link", ddp_wait_for(200, NULL), "fuzzer:1");
         /* with a key, random bytes never pass the challenge (2^-256) */
         if (keyed && (h.flags & DDP_HELLO_HAS_TOKEN) && st == DDP_OK && done >= 64) abort();
