@@ -19,6 +19,8 @@ same, with these changes:
 * with ``TORCH_SUITE_START=fork`` the rank processes are forked from this one instead
   of spawned (torch's way, which imports torch and the suite again in every rank: about
   5 s of CPU per process, against a fraction of a second for most tests);
+* the suite's poll loops (its file barrier, the wait for the rank processes) check
+  every 10 ms instead of every 100 ms (``_QuickPoll``);
 * it runs only the tests named on the command line, and writes one JSON line per test
   (``{"test", "outcome", "seconds", "detail"}``, outcome pass, fail or skip) to the
   file given by ``--out`` as each test ends, so that a run cut short by its time limit
@@ -31,6 +33,8 @@ sets) bounds every test, the few it gives more time included.
 
 Usage: BACKEND=b WORLD_SIZE=n TEMP_DIR=d python torch_suite_run.py --out FILE NAME...
        BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=d python torch_suite_run.py --list
+       ... torch_suite_run.py --out FILE --list-to NAMES -    (the driver's form: the
+       suite's names written to NAMES once imported, the tests' names read from stdin)
 """
 import argparse
 import functools
@@ -66,13 +70,33 @@ def bound_test_timeouts():
         _cd.TIMEOUT_OVERRIDE[name] = min(_cd.TIMEOUT_OVERRIDE[name], _cd.TIMEOUT_DEFAULT)
 
 
+class _QuickPoll:
+    """A stand-in for the ``time`` module in the suite's modules whose ``sleep(0.1)`` (the
+    turn of the suite's two poll loops: its file barrier, ``Barrier.sync``, run twice in
+    every test, and the driver's ``_join_processes``) sleeps 10 ms: a poll loop only
+    checks again, so the tests are the same and each ends up to 0.1 s sooner after its
+    condition holds, per loop. Every other ``sleep`` (the one in a test's body, a
+    monitored-barrier test's ``WAIT_TIME + 0.1``) and everything else is ``time``'s."""
+
+    POLL, QUICK = 0.1, 0.01
+
+    def sleep(self, seconds):
+        time.sleep(self.QUICK if seconds == self.POLL else seconds)
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 if BACKEND != "gloo":
     extend_feature_table(BACKEND)
 bound_test_timeouts()
 STAND_IN = os.environ.get("TORCH_SUITE_STAND_IN")
 
+from torch.testing._internal.distributed import distributed_test as _dt  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest, TestDistBackend)
+
+_cd.time = _dt.time = _QuickPoll()
 
 
 def stand_in(backend):
@@ -158,15 +182,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON lines file to append results to")
     ap.add_argument("--list", action="store_true", help="print the suite's test names")
-    ap.add_argument("names", nargs="*", help="test method names (test_...)")
+    ap.add_argument("--list-to", help="write the suite's test names to this file first "
+                                      "(written whole: a temporary file, then renamed)")
+    ap.add_argument("names", nargs="*", help="test method names (test_...), or - to read "
+                                             "them from standard input, until it closes")
     args = ap.parse_args()
+    listed = unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)
     if args.list:
-        print("\n".join(unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)))
+        print("\n".join(listed))
         return 0
+    if args.list_to:
+        with open(args.list_to + ".tmp", "w") as f:
+            f.write("\n".join(listed) + "\n")
+        os.rename(args.list_to + ".tmp", args.list_to)
+    names = sys.stdin.read().split() if args.names == ["-"] else args.names
     if not args.out or not args.names:
         ap.error("--out and test names are needed")
     _JsonResult.out = args.out
-    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in args.names)
+    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
     runner = unittest.TextTestRunner(verbosity=2, resultclass=_JsonResult, stream=sys.stderr)
     runner.run(suite)
     return 0

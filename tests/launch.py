@@ -2,14 +2,17 @@
 
 Every launch gets a timeout; on expiry (or any exception) the whole process group the
 launch started is killed by id (SIGKILL to the session leader's group), so a hang fails
-the test instead of stalling CI and no worker outlives its test.
+the test instead of stalling CI and no worker outlives its test. together() starts
+several launches at once, for test cases whose launches mostly wait.
 """
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +110,17 @@ def proc_status_mib(pid, field="VmRSS"):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError(f"no {field} for pid {pid}")
+
+
+@contextlib.contextmanager
+def together(jobs):
+    """Start every job of jobs ({key: callable}, each a launch bounded by its own timeout
+    that kills what it started) at once, each in a thread; yields {key: Future}. Launches
+    that mostly wait (a timeout or a grace period waited out on purpose, little CPU)
+    then overlap instead of adding up. A launch's exception is raised by its own
+    future's result(), in the test case that reads it; on exit every launch has ended."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        yield {key: pool.submit(fn) for key, fn in jobs.items()}
 
 
 def kill_group(pid):

@@ -12,7 +12,11 @@ from outside.
 - pyddp's TCPStore server in its own process under 40 stalled clients that announce
   60 MiB values: its RSS stays near the budget and another client is served; a
   request left incomplete is dropped after PYDDP_STORE_REQUEST_TIMEOUT.
+
+The jobs that spend their seconds waiting (grace periods, timeouts) start together in
+one module fixture (waiting_jobs), and each case checks its own job's result.
 """
+import importlib.util
 import os
 import socket
 import struct
@@ -168,15 +172,43 @@ def test_job_with_token_and_outsider(tmp_path):
     assert "rejected a store connection" in results[0].stderr
 
 
-@pytest.mark.parametrize("tokens", [("a", "b", "a"), ("a", "a", None), (None, "a", "a")])
-def test_mismatched_tokens_fail_every_rank(tokens):
+MISMATCHED = [("a", "b", "a"), ("a", "a", None), (None, "a", "a")]
+
+
+def _mismatched_job(tokens):
+    """3 ranks with these tokens (None: unset): (their Results, seconds until all ended)."""
     def prefix(r):
         t = tokens[r]
         return ["env", f"PYDDP_AUTH_TOKEN={t}"] if t else ["env", "-u", "PYDDP_AUTH_TOKEN"]
     t0 = time.monotonic()
     results = launch.spawn_ranks("auth_job.py", 3, timeout=60, prefix=prefix,
                                  env={"PYDDP_TIMEOUT": "120"})
-    elapsed = time.monotonic() - t0
+    return results, time.monotonic() - t0
+
+
+def _client_modes_job():
+    """CLIENT_MODES in a process of its own, with the token set: its Result."""
+    return launch.run([sys.executable, "-c", CLIENT_MODES], env=TOKEN_ENV, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def waiting_jobs():
+    """The jobs of this module that spend their seconds waiting, started together (they
+    use next to no CPU, so they overlap): every MISMATCHED job (the authentication
+    grace periods) and CLIENT_MODES (a client that asks torch's server to authenticate
+    waits for the answer that never comes, 10 s) and _idle_request_job (5 s of a silent
+    connection). Keyed by the tokens, "modes" and "idle"."""
+    jobs = {t: (lambda t=t: _mismatched_job(t)) for t in MISMATCHED}
+    jobs["idle"] = _idle_request_job
+    if importlib.util.find_spec("torch") is not None:
+        jobs["modes"] = _client_modes_job
+    with launch.together(jobs) as started:
+        yield started
+
+
+@pytest.mark.parametrize("tokens", MISMATCHED)
+def test_mismatched_tokens_fail_every_rank(tokens, waiting_jobs):
+    results, elapsed = waiting_jobs[tokens].result()
     for r in results:
         assert r.returncode == 3, r.output
         assert "INIT FAILED" in r.stdout and "uthentication" in r.stdout, r.output
@@ -265,7 +297,14 @@ def test_store_memory_bound_under_stalled_senders():
         p.communicate()
 
 
-def test_store_idle_request_timeout():
+def test_store_idle_request_timeout(waiting_jobs):
+    waiting_jobs["idle"].result()      # _idle_request_job's checks, run in the fixture
+
+
+def _idle_request_job():
+    """A store server with PYDDP_STORE_REQUEST_TIMEOUT=1: a connection that sent half a
+    request is closed after about 1 s, one that never sent its first request after
+    about 5 s. Raises AssertionError otherwise."""
     p, port = launch.store_server({"PYDDP_STORE_REQUEST_TIMEOUT": "1"})
     try:
         s = _validated(port)
@@ -306,9 +345,9 @@ print("OK")
 """
 
 
-def test_client_modes_against_torch_and_pyddp_servers():
+def test_client_modes_against_torch_and_pyddp_servers(waiting_jobs):
     pytest.importorskip("torch")
-    r = launch.run([sys.executable, "-c", CLIENT_MODES], env=TOKEN_ENV, timeout=60)
+    r = waiting_jobs["modes"].result()
     assert r.returncode == 0 and "OK" in r.stdout, r.output
     assert "rejected" not in r.stderr, r.output   # the probe is turned away quietly
 

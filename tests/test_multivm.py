@@ -2,10 +2,13 @@
 tests need root and are skipped without it):
 
 * a host that vanishes mid-job (the router between two host namespaces drops every
-  packet: no FIN, no RST) is an error on every rank within 30 s, with a 600 s group
-  timeout, naming the peer and its host, and so is a store client waiting on a key; a
-  peer that is alive but stopped (SIGSTOP for 20 s, with 4 MiB all_reduces running) is
-  not declared dead;
+  packet: no FIN, no RST) is an error on every rank within PYDDP_PEER_DEAD_S and a few
+  seconds, with a 600 s group timeout, naming the peer and its host, and so is a store
+  client waiting on a key; a peer that is alive but stopped (SIGSTOP for well over
+  PYDDP_PEER_DEAD_S, with 4 MiB all_reduces running) is not declared dead. These
+  processes run with PYDDP_PEER_DEAD_S=3 (DEAD_S) instead of the default 15, so that
+  the wait is seconds; tests/c/test_sock.c checks the keepalive sized from the setting
+  and the message's seconds;
 * loopback is never advertised to peers on other hosts;
 * a pyddp version mismatch with backend="nccl" fails on every rank with
   VersionMismatchError naming hosts and versions (NCCL test doubles);
@@ -34,6 +37,9 @@ from test_errors import results  # noqa: E402
 from test_nccl_nogpu import fakes  # noqa: E402,F401  (the NCCL/CUDA test doubles)
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+DEAD_S = 3                                # PYDDP_PEER_DEAD_S of the partition cases
+DEAD_ENV = {"PYDDP_PEER_DEAD_S": str(DEAD_S)}
+NOTICED_S = DEAD_S + 12                   # the bound on noticing it (30 s with the 15 s default)
 
 
 class Ranks:
@@ -103,7 +109,7 @@ def _routed():
 @root_only
 def test_vanished_host_is_an_error_on_every_rank_within_30_s():
     with _routed() as rt:
-        ranks = Ranks("vanish.py", [rt.a, rt.b], args=["--seconds", "120"])
+        ranks = Ranks("vanish.py", [rt.a, rt.b], args=["--seconds", "120"], env=DEAD_ENV)
         try:
             ready = ranks.wait_for("READY", 2, time.monotonic() + 60)
             assert len(ready) == 2, ranks.output()
@@ -115,9 +121,9 @@ def test_vanished_host_is_an_error_on_every_rank_within_30_s():
                 d = json.loads(text)
                 peer = 1 - r
                 peer_addr = (rt.a, rt.b)[peer].addr
-                assert d["t"] - t0 < 30, (d, ranks.output())
+                assert d["t"] - t0 < NOTICED_S, (d, ranks.output())
                 assert d["cls"] == "DistNetworkError", d
-                assert f"no answer from rank {peer} at {peer_addr} for 15 s: the host or " \
+                assert f"no answer from rank {peer} at {peer_addr} for {DEAD_S} s: the host or " \
                        f"the network between us is down" in d["msg"], d
                 print(f"rank {r} raised {d['t'] - t0:.1f} s after the partition: {d['msg']}")
         finally:
@@ -128,7 +134,7 @@ def test_vanished_host_is_an_error_on_every_rank_within_30_s():
 def test_store_client_notices_a_vanished_store_host():
     """The store connection, idle in a wait for a key, is watched the same way."""
     with _routed() as rt:
-        ranks = Ranks("vanish_store.py", [rt.a, rt.b])
+        ranks = Ranks("vanish_store.py", [rt.a, rt.b], env=DEAD_ENV)
         try:
             ready = ranks.wait_for("READY", 1, time.monotonic() + 60)
             assert 1 in ready, ranks.output()
@@ -137,7 +143,7 @@ def test_store_client_notices_a_vanished_store_host():
             raised = ranks.wait_for("RAISED", 1, time.monotonic() + 40)
             assert 1 in raised, ranks.output()
             d = json.loads(raised[1][1])
-            assert d["t"] - t0 < 30, (d, ranks.output())
+            assert d["t"] - t0 < NOTICED_S, (d, ranks.output())
             assert f"no answer from {rt.a.addr}:" in d["msg"] and \
                 "the host or the network between us is down" in d["msg"], d
             print(f"the store client raised {d['t'] - t0:.1f} s after the partition: "
@@ -149,16 +155,16 @@ def test_store_client_notices_a_vanished_store_host():
 @root_only
 def test_stopped_peer_is_not_declared_dead():
     """SIGSTOP stops the process, not its kernel: keepalive and acknowledgements go on,
-    so 20 s stopped (longer than PYDDP_PEER_DEAD_S's 15) with 4 MiB all_reduces pending
-    (the receive window closes) is only slow."""
+    so 3 x PYDDP_PEER_DEAD_S stopped with 4 MiB all_reduces pending (the receive window
+    closes) is only slow."""
     with _routed() as rt:
-        ranks = Ranks("vanish.py", [rt.a, rt.b], args=["--seconds", "23", "--elems",
-                                                       str(1 << 20)])
+        ranks = Ranks("vanish.py", [rt.a, rt.b], args=["--seconds", str(3 * DEAD_S + 3),
+                                                       "--elems", str(1 << 20)], env=DEAD_ENV)
         try:
             ready = ranks.wait_for("READY", 2, time.monotonic() + 60)
             assert len(ready) == 2, ranks.output()
             os.kill(ranks.procs[1].pid, signal.SIGSTOP)
-            time.sleep(20)
+            time.sleep(3 * DEAD_S)
             os.kill(ranks.procs[1].pid, signal.SIGCONT)
             done = ranks.wait_for("PASS", 2, time.monotonic() + 30)
             assert len(done) == 2, ranks.output()
