@@ -11,10 +11,11 @@ PYDDP_ETCD_PASSWORD or PYDDP_ETCD_PASSWORD_FILE (etcd's user/password auth), and
 PYDDP_ETCD_TIMEOUT (how long one request keeps trying the members).
 
 Failover (``Cluster.call``): a request goes to the member that answered last; one that
-refuses the connection, does not answer within ``ATTEMPT_S`` (a member that lost its
-leader can hold a request 5-7 s before it gives up), or answers that it has no leader
-(an election takes 1-2 s) is left for the next member at once; after a round of all of
-them the client waits a little (0.05 s, doubling up to 0.5 s) and goes round again,
+refuses the connection, does not answer within ``ATTEMPT_S`` (1 s in the first round of
+the members, 2 s in the second, 3 s from then on: a member that lost its leader can
+hold a request 5-7 s before it gives up, and an election takes 1-2 s), or answers that
+it has no leader is left for the next member at once; after a round of all of them the
+client waits a little (0.05 s, doubling up to 0.5 s) and goes round again,
 until PYDDP_ETCD_TIMEOUT has passed. Then :class:`EtcdUnavailable` names the members and
 says that etcd serves requests only while a majority of its members is up. An answer
 that is an error of the request itself (permission denied, a bad argument) is raised at
@@ -32,7 +33,8 @@ import time
 from . import _C
 from ._etcd_http import Conn, ProtocolError
 
-ATTEMPT_S = 3.0          # one request on one member
+ATTEMPT_S = 1.0          # one request on one member in the first round of the members
+#                          (2 s in the second, 3 s from the third on)
 CONNECT_S = 1.0          # connecting to one member
 _RETRYABLE = {1, 2, 4, 8, 10, 14}   # gRPC codes: cancelled, unknown, deadline, exhausted,
 #                                     aborted, unavailable (no leader, leader changed, ...)
@@ -215,10 +217,11 @@ class Cluster:
         p = self._preferred
         return [(p + k) % len(self.members) for k in range(len(self.members))]
 
-    def unavailable(self, what, last):
+    def unavailable(self, what, last, budget=None):
         n = len(self.members)
         return EtcdUnavailable(
-            f"etcd at {self.describe()} did not serve {what} within {self.timeout_s:g} s "
+            f"etcd at {self.describe()} did not serve {what} within "
+            f"{self.timeout_s if budget is None else budget:.3g} s "
             f"(last error: {last}). etcd serves requests only while a majority of its "
             f"members ({n // 2 + 1} of {n}, if these are all its members) is up and "
             f"reachable: check the members (etcdctl endpoint health), the network to "
@@ -231,16 +234,17 @@ class Cluster:
         the first member that serves it (see the module's docstring). deadline: a
         time.monotonic() by which to give up (default PYDDP_ETCD_TIMEOUT from now).
         Raises EtcdUnavailable, EtcdError."""
-        deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = deadline if deadline is not None else start + self.timeout_s
         data = json.dumps(body).encode()
-        last, pause = "no member was tried", 0.05
+        last, pause, rnd = "no member was tried", 0.05, 1
         while True:
             for i in self.order():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self.unavailable(path, last)
+                    raise self.unavailable(path, last, deadline - start)
                 try:
-                    reply = self._attempt(i, path, data, min(ATTEMPT_S, left))
+                    reply = self._attempt(i, path, data, min(ATTEMPT_S * rnd, left))
                 except (OSError, ValueError) as e:
                     last = f"{self.members[i]}: {_why(e)}"
                     continue
@@ -254,7 +258,7 @@ class Cluster:
                 self._preferred = i
                 return reply
             time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
-            pause = min(pause * 2, 0.5)
+            pause, rnd = min(pause * 2, 0.5), min(rnd + 1, 3)
 
     def _attempt(self, i, path, data, timeout):
         """One try on member i: the decoded reply (a dict; an error reply has "code")."""
@@ -299,14 +303,13 @@ class Cluster:
         member that takes it; the caller reads it and ends it with end_stream. Raises
         EtcdUnavailable, or DistStoreError once the client is closed."""
         data = json.dumps(body).encode()
-        last = "no member was tried"
-        pause = 0.05
+        last, pause, rnd = "no member was tried", 0.05, 1
         while True:
             for i in self.order():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self.unavailable(path, last)
-                t = min(ATTEMPT_S, left)
+                t = min(ATTEMPT_S * rnd, left)
                 conn = None
                 try:
                     headers = self._auth_header(i, t)
@@ -331,14 +334,18 @@ class Cluster:
                         raise
                     last = f"{self.members[i]}: {_why(e)}"
             time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
-            pause = min(pause * 2, 0.5)
+            pause, rnd = min(pause * 2, 0.5), min(rnd + 1, 3)
 
     # -- the KV and lease requests --------------------------------------------------------
 
-    def range(self, key, range_end=None, count_only=False, deadline=None):
+    def range(self, key, range_end=None, count_only=False, serializable=False,
+              deadline=None):
         """(kvs, revision, count): kvs a list of dicts with key/value (bytes),
-        mod_revision, create_revision, version, lease (ints)."""
+        mod_revision, create_revision, version, lease (ints). serializable: served by
+        the member from its own state (no leader needed; may lag the others)."""
         body = {"key": b64(key)}
+        if serializable:
+            body["serializable"] = True
         if range_end is not None:
             body["range_end"] = b64(range_end)
         if count_only:

@@ -57,53 +57,67 @@ class EtcdKV:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def set(self, key, value):
-        self.cluster.put(self._k(key), bytes(value))
+    def _dl(self, timeout_ms=None):
+        """The deadline of one request: the call's timeout (default the client's), at
+        most PYDDP_ETCD_TIMEOUT from now."""
+        ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        s = self.cluster.timeout_s if ms is None or ms < 0 else min(ms / 1000.0,
+                                                                   self.cluster.timeout_s)
+        return time.monotonic() + s
 
-    def multi_set(self, keys, values):
+    def set(self, key, value, timeout_ms=None):
+        self.cluster.put(self._k(key), bytes(value), deadline=self._dl(timeout_ms))
+
+    def multi_set(self, keys, values, timeout_ms=None):
         last = {}
         for k, v in zip(keys, values):       # a repeated key: the last value wins
             last[self._k(k)] = bytes(v)
         items = list(last.items())
+        dl = self._dl(timeout_ms)
         for i in range(0, len(items), _TXN_OPS):
-            self.cluster.txn([], [E.op_put(k, v) for k, v in items[i:i + _TXN_OPS]])
+            self.cluster.txn([], [E.op_put(k, v) for k, v in items[i:i + _TXN_OPS]],
+                             deadline=dl)
 
-    def delete_key(self, key):
-        return self.cluster.delete(self._k(key)) > 0
+    def delete_key(self, key, timeout_ms=None):
+        return self.cluster.delete(self._k(key), deadline=self._dl(timeout_ms)) > 0
 
-    def add(self, key, delta):
-        """TCPStore's ADD: the counter at key (absent: 0) plus delta, stored as ASCII."""
-        k = self._k(key)
-        kvs = self.cluster.range(k)[0]
+    def add(self, key, delta, timeout_ms=None):
+        """TCPStore's ADD: the counter at key (absent: 0) plus delta, stored as ASCII. A
+        read (delta 0) is served by the member itself (serializable): it answers
+        while etcd elects a leader, at worst a moment behind the others."""
+        k, dl = self._k(key), self._dl(timeout_ms)
+        kvs = self.cluster.range(k, serializable=delta == 0, deadline=dl)[0]
         while True:
             cur = _as_int(kvs[0]["value"], key) if kvs else 0
             if delta == 0:
                 return cur
             cmp = E.cmp_mod(k, kvs[0]["mod_revision"]) if kvs else E.cmp_absent(k)
             ok, resp, _ = self.cluster.txn([cmp], [E.op_put(k, str(cur + delta).encode())],
-                                           [E.op_range(k)])
+                                           [E.op_range(k)], deadline=dl)
             if ok:
                 return cur + delta
             kvs = E.range_kvs(resp[0])
 
-    def append(self, key, value):
-        k = self._k(key)
-        kvs = self.cluster.range(k)[0]
+    def append(self, key, value, timeout_ms=None):
+        k, dl = self._k(key), self._dl(timeout_ms)
+        kvs = self.cluster.range(k, deadline=dl)[0]
         while True:
             cmp = E.cmp_mod(k, kvs[0]["mod_revision"]) if kvs else E.cmp_absent(k)
             new = (kvs[0]["value"] if kvs else b"") + bytes(value)
-            ok, resp, _ = self.cluster.txn([cmp], [E.op_put(k, new)], [E.op_range(k)])
+            ok, resp, _ = self.cluster.txn([cmp], [E.op_put(k, new)], [E.op_range(k)],
+                                           deadline=dl)
             if ok:
                 return
             kvs = E.range_kvs(resp[0])
 
-    def compare_set(self, key, expected, desired):
+    def compare_set(self, key, expected, desired, timeout_ms=None):
         """TCPStore's COMPARE_SET: absent key and empty expected stores desired; absent
         key otherwise returns expected; a present key is swapped only if its value
         equals expected. Returns the value after the operation."""
         k, expected, desired = self._k(key), bytes(expected), bytes(desired)
         cmp = E.cmp_value(k, expected) if expected else E.cmp_absent(k)
-        ok, resp, _ = self.cluster.txn([cmp], [E.op_put(k, desired)], [E.op_range(k)])
+        ok, resp, _ = self.cluster.txn([cmp], [E.op_put(k, desired)], [E.op_range(k)],
+                                       deadline=self._dl(timeout_ms))
         if ok:
             return desired
         kvs = E.range_kvs(resp[0])
@@ -111,25 +125,27 @@ class EtcdKV:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def _read(self, full):
+    def _read(self, full, dl=None):
         """({key: value} of the keys of full that exist, revision), in transactions of
-        at most _TXN_OPS ranges."""
+        at most _TXN_OPS ranges, by the deadline dl (default PYDDP_ETCD_TIMEOUT from
+        now). A wait reads with the default: its own deadline governs its watch."""
         found, rev = {}, 0
         for i in range(0, len(full), _TXN_OPS):
             part = full[i:i + _TXN_OPS]
             if len(part) == 1:
-                kvs, r, _ = self.cluster.range(part[0])
+                kvs, r, _ = self.cluster.range(part[0], deadline=dl)
             else:
-                _, resp, r = self.cluster.txn([], [E.op_range(k) for k in part])
+                _, resp, r = self.cluster.txn([], [E.op_range(k) for k in part],
+                                              deadline=dl)
                 kvs = [kv for one in resp for kv in E.range_kvs(one)]
             rev = max(rev, r) if rev else r
             for kv in kvs:
                 found[kv["key"]] = kv["value"]
         return found, rev
 
-    def check(self, keys):
+    def check(self, keys, timeout_ms=None):
         full = [self._k(k) for k in keys]
-        return len(self._read(full)[0]) == len(set(full))
+        return len(self._read(full, self._dl(timeout_ms))[0]) == len(set(full))
 
     def get(self, key, timeout_ms=None):
         """key's value, waiting up to timeout_ms (default: the client's) for it."""
@@ -151,8 +167,9 @@ class EtcdKV:
         if not all(k in found for k in full):
             self._watch_until_present(full, found, rev, deadline, keys)
 
-    def num_keys(self):
-        return self.cluster.range(self._ns, E.prefix_end(self._ns), count_only=True)[2]
+    def num_keys(self, timeout_ms=None):
+        return self.cluster.range(self._ns, E.prefix_end(self._ns), count_only=True,
+                                  deadline=self._dl(timeout_ms))[2]
 
     def _watch_until_present(self, full, found, rev, deadline, user_keys):
         """Return once every key of full existed at one revision after rev (found: the

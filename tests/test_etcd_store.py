@@ -368,3 +368,58 @@ def test_the_doctor_checks_the_etcd_members(tmp_path):
             r.stdout
     finally:
         c.close()
+
+
+LOSS_WORKER = """
+import os, sys, time
+from datetime import timedelta
+import numpy as np
+import pyddp as dist
+rank = int(os.environ["RANK"])
+st = dist.EtcdStore(sys.argv[1], sys.argv[2], timeout=timedelta(seconds=120))
+dist.init_process_group("cpu", store=st, rank=rank, world_size=2)
+x = np.ones(4, np.float32)
+dist.all_reduce(x)
+print("READY", flush=True)
+t0 = None
+try:
+    while True:
+        dist.all_reduce(x)
+        if t0 is None and os.path.exists(sys.argv[3]):
+            t0 = time.monotonic()
+        time.sleep(0.01)
+except dist.DistError as e:
+    print("ERROR", round(time.monotonic() - (t0 or time.monotonic()), 2),
+          type(e).__name__, flush=True)
+"""
+
+
+def test_a_lost_peer_is_reported_at_once_without_an_etcd_majority(tmp_path):
+    """A collective whose peer died while etcd has no majority fails within seconds: the
+    core's failure announcement and the straggler report through the store keep their
+    own short deadlines on etcd too (not PYDDP_ETCD_TIMEOUT, 30 s)."""
+    c = EtcdCluster(tmp_path, 3)
+    procs = []
+    try:
+        c.start()
+        c.wait_ready()
+        flag = tmp_path / "killed"
+        ns = _ns()
+        for r in range(2):
+            procs.append(subprocess.Popen(
+                [PY, "-c", LOSS_WORKER, c.endpoint(), ns, str(flag)], stdout=subprocess.PIPE,
+                text=True, start_new_session=True,
+                env=dict(os.environ, PYTHONPATH=ROOT, RANK=str(r), WORLD_SIZE="2")))
+        for p in procs:
+            assert p.stdout.readline().strip() == "READY"
+        c.kill(1)
+        c.kill(2)
+        kill_group(procs[1].pid)
+        flag.write_text("1")
+        out = procs[0].communicate(timeout=120)[0]
+        line = [ln for ln in out.splitlines() if ln.startswith("ERROR")]
+        assert line and float(line[0].split()[1]) < 10, out
+    finally:
+        for p in procs:
+            kill_group(p.pid)
+        c.close()

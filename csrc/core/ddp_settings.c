@@ -77,7 +77,8 @@ static const ddp_setting_decl table[] = {
      "the job's store is that etcd cluster. Not to be set by hand", "`pyddp.elastic`"},
     {"PYDDP_ETCD_TIMEOUT", DDP_SETTING_SECONDS, "30", 30, 1, NOMAX, 0,
      "seconds an etcd request keeps trying the members (one that refuses, does not answer "
-     "within 3 s, or has no leader is left for the next at once) before the job's store is "
+     "within 1 s, 2 s in the second round and 3 s after, or has no leader is left for the "
+     "next at once) before the job's store is "
      "reported unavailable, naming etcd and its need for a majority of its members", "etcd store"},
     {"PYDDP_ETCD_CACERT", DDP_SETTING_STRING, NULL, 0, 0, 0, 0,
      "path of the CA certificate (PEM) that signed the etcd members' certificates; members "

@@ -4,19 +4,21 @@
  * one (pyddp/_etcd_kv.py). The object speaks _C.StoreClient's protocol (keys
  * and values are bytes, exactly as the core composes them):
  *
- *   set(k, v)  append(k, v)  get(k, timeout_ms)  add(k, delta) -> int
- *   wait(keys, timeout_ms)  multi_get(keys, timeout_ms) -> [bytes]
- *   multi_set(keys, values)  check(keys) -> bool  compare_set(k, e, d) -> bytes
- *   delete_key(k) -> bool  num_keys() -> int
+ *   set(k, v, ms)  append(k, v, ms)  get(k, ms)  add(k, delta, ms) -> int
+ *   wait(keys, ms)  multi_get(keys, ms) -> [bytes]  multi_set(keys, values, ms)
+ *   check(keys, ms) -> bool  compare_set(k, e, d, ms) -> bytes
+ *   delete_key(k, ms) -> bool  num_keys(ms) -> int
+ *
+ * where ms (timeout_ms) is what is left of the ddp_wait's deadline (None for
+ * no deadline): a call the core bounds (a failure announced within 1 s, say)
+ * is bounded there too.
  *
  * The core calls a store from threads of its own (the rendezvous helper, the
  * communicator's workers): each call takes the GIL for its duration
  * (PyGILState_Ensure), which is safe because every Python thread that waits
  * for those threads does so with the GIL released (py_blocking.c). A call
  * made while the interpreter is finalizing fails instead of taking the GIL.
- * The deadline of a ddp_wait reaches the object as timeout_ms (what is left of
- * it; None for no deadline) for the calls that wait; the others are bounded
- * by the object itself. An exception becomes DDP_ERR_TIMEOUT (a TimeoutError)
+ * An exception becomes DDP_ERR_TIMEOUT (a TimeoutError)
  * or DDP_ERR_STORE with its class and message.
  */
 #include "py_common.h"
@@ -146,8 +148,9 @@ typedef struct {
 
 static PyObject *b_kv(void *v) {
     args_t *a = v;
-    return Py_BuildValue("(y#y#)", a->key, (Py_ssize_t)a->klen, (const char *)a->val,
-                         (Py_ssize_t)a->vlen);
+    PyObject *ms = left_ms(a->w);
+    return ms ? Py_BuildValue("(y#y#N)", a->key, (Py_ssize_t)a->klen, (const char *)a->val,
+                              (Py_ssize_t)a->vlen, ms) : NULL;
 }
 static PyObject *b_k_ms(void *v) {
     args_t *a = v;
@@ -156,16 +159,9 @@ static PyObject *b_k_ms(void *v) {
 }
 static PyObject *b_k_num(void *v) {
     args_t *a = v;
-    return Py_BuildValue("(y#L)", a->key, (Py_ssize_t)a->klen, (long long)a->num);
-}
-static PyObject *b_k(void *v) {
-    args_t *a = v;
-    return Py_BuildValue("(y#)", a->key, (Py_ssize_t)a->klen);
-}
-static PyObject *b_keys(void *v) {
-    args_t *a = v;
-    PyObject *l = key_list(a->keys, a->klens, a->n);
-    return l ? Py_BuildValue("(N)", l) : NULL;
+    PyObject *ms = left_ms(a->w);
+    return ms ? Py_BuildValue("(y#LN)", a->key, (Py_ssize_t)a->klen, (long long)a->num, ms)
+              : NULL;
 }
 static PyObject *b_keys_ms(void *v) {
     args_t *a = v;
@@ -185,16 +181,20 @@ static PyObject *b_kvs(void *v) {
         Py_XDECREF(k);
         return NULL;
     }
-    return Py_BuildValue("(NN)", k, vals);
+    PyObject *ms = left_ms(a->w);
+    return ms ? Py_BuildValue("(NNN)", k, vals, ms) : (Py_DECREF(k), Py_DECREF(vals), NULL);
 }
 static PyObject *b_ked(void *v) {
     args_t *a = v;
-    return Py_BuildValue("(y#y#y#)", a->key, (Py_ssize_t)a->klen, (const char *)a->val,
-                         (Py_ssize_t)a->vlen, (const char *)a->val2, (Py_ssize_t)a->vlen2);
+    PyObject *ms = left_ms(a->w);
+    return ms ? Py_BuildValue("(y#y#y#N)", a->key, (Py_ssize_t)a->klen, (const char *)a->val,
+                              (Py_ssize_t)a->vlen, (const char *)a->val2,
+                              (Py_ssize_t)a->vlen2, ms) : NULL;
 }
-static PyObject *b_none(void *v) {
-    (void)v;
-    return PyTuple_New(0);
+static PyObject *b_ms(void *v) {
+    args_t *a = v;
+    PyObject *ms = left_ms(a->w);
+    return ms ? Py_BuildValue("(N)", ms) : NULL;
 }
 
 /* ---- results ---------------------------------------------------------- */
@@ -293,7 +293,7 @@ static ddp_status p_check(void *c, const char *const *keys, const size_t *klens,
                           int *ready, ddp_wait w) {
     args_t a = {.keys = keys, .klens = klens, .n = n, .w = w};
     out_t o = {.flag = ready};
-    return run(c, "check", "check", b_keys, &a, d_flag, &o);
+    return run(c, "check", "check", b_keys_ms, &a, d_flag, &o);
 }
 static ddp_status p_compare_set(void *c, const char *key, size_t klen, const void *expected,
                                 size_t elen, const void *desired, size_t dlen, void **out,
@@ -308,14 +308,14 @@ static ddp_status p_delete(void *c, const char *key, size_t klen, int64_t *ndele
     int gone = 0;
     args_t a = {.key = key, .klen = klen, .w = w};
     out_t o = {.flag = &gone};
-    ddp_status st = run(c, "delete_key", "delete_key", b_k, &a, d_flag, &o);
+    ddp_status st = run(c, "delete_key", "delete_key", b_k_ms, &a, d_flag, &o);
     *ndeleted = gone;
     return st;
 }
 static ddp_status p_num_keys(void *c, int64_t *n, ddp_wait w) {
     args_t a = {.w = w};
     out_t o = {.num = n};
-    return run(c, "num_keys", "num_keys", b_none, &a, d_int, &o);
+    return run(c, "num_keys", "num_keys", b_ms, &a, d_int, &o);
 }
 static void p_shutdown(void *c) { atomic_store(&((pystore *)c)->closed, 1); }
 static void p_destroy(void *c) {
