@@ -13,8 +13,9 @@ from launch import spawn_ranks
 
 def assert_pass(results, ws):
     out = "".join(r.output for r in results)
-    for r in results:
-        assert r.returncode == 0, r.output[-4000:]
+    bad = [f"rank {i} (exit {r.returncode}):\n{r.output[-3000:]}"
+           for i, r in enumerate(results) if r.returncode != 0]
+    assert not bad, "\n".join(bad)
     passed = sorted(int(x) for x in re.findall(r"rank (\d+): PASS \d+ checks", out))
     assert passed == list(range(ws)), out[-3000:]
 
