@@ -5,8 +5,8 @@ in its own namespace, running tests/workers/elastic_job.py.
 * restart-based: a host killed mid-training, then started again with the same line;
   torchrun restarts the workers on every change and they resume from the newest
   checkpoint on any node (each host has a directory of its own), with
-  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (down and up) and with the agent's shared
-  store (down: up is torchrun's own defect there, see docs/elastic.md).
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (down and up; with the agent's shared store up
+  is torchrun's own defect, see docs/elastic.md).
 * in place (pyddp.elastic, the agent's shared store): a host killed and started again
   with the joining line (PYDDP_ELASTIC_JOIN, torchrun --standalone), in both launch
   forms; on 3 hosts one vanishing (its switch port down), then one worker of another
@@ -242,18 +242,11 @@ def test_restart_based_host_lost_and_back(tmp_path):
     _run(_restart_down, 2, tmp_path, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, True)
 
 
-def test_restart_based_host_lost_with_the_agents_store(tmp_path):
-    """torchrun's default (the agent's shared store, keys of every round in it): losing
-    a host shrinks the job, which goes on on the survivor."""
-    _run(_restart_down, 2, tmp_path, {}, False)
-
-
 def _same_processes(rec, pids, job=None):
     assert rec["pids"] == pids, (rec, pids, "\n".join(job.lines[-120:]) if job else "")
 
 
-def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=None,
-                           during=None):
+def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=None):
     """In place, agent's store: host 1 killed; its survivors go on in the same
     processes; host 1 started again is admitted: with its own line in the static form
     (its workers find the job running in the store), with the joining line in the c10d
@@ -265,8 +258,6 @@ def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=
         job.start(1)
         pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 120,
                             "epoch at world 4")["pids"]
-        if during is not None:
-            during(job)
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after host 1 was killed"), pids[:2], job)
@@ -319,19 +310,26 @@ def test_inplace_three_hosts_one_vanished_one_worker_killed(tmp_path):
 
 
 def _one_line(b, tmp):
-    """docs/elastic.md's line (--rdzv-backend=pyddp) on every node, the endpoint's node
-    10.215.x.5 and the other 10.215.x.12, which sorts first as a string (torch's c10d
-    would keep the workers' store there): the other host killed (the store lives with
-    the endpoint: the job goes on) and started again with the same line (admitted in
-    place); a worker of the endpoint's node killed (its agent starts that node's workers
-    again, which join in place; the other host's ranks go on); the other host's torchrun
-    sent SIGTERM (its ranks leave at the next commit: no settle wait, no rollback)."""
-    job = Job(b, "inplace", tmp, "1:2", rdzv="pyddp", env={"PYDDP_ELASTIC_SETTLE_S": "20"})
+    """docs/elastic.md's line (--rdzv-backend=pyddp) on every node, running the first
+    seed's script with torch's own DDP and sampler (tests/workers/elastic_job.py
+    torchddp), PYDDP_AUTH_TOKEN set on every node (torch's default group is made over
+    pyddp's authenticated client of the job's store, and torch's own client without the
+    token is refused). The endpoint's node is 10.215.x.5 and the other 10.215.x.12,
+    which sorts first as a string (torch's c10d would keep the workers' store there):
+    the other host killed (the store lives with the endpoint: the job goes on in the
+    same processes) and started again with the same line (admitted in place); a worker
+    of the endpoint's node killed (its agent starts that node's workers again, which
+    join in place; the other host's ranks go on); the other host's torchrun sent SIGTERM
+    (its ranks leave at the next commit: no settle wait, no rollback). pyddp's own DDP
+    on this line runs in tests/test_elastic_etcd.py and tests/test_elastic_inplace.py."""
+    job = Job(b, "torchddp", tmp, "1:2", rdzv="pyddp",
+              env={"PYDDP_ELASTIC_SETTLE_S": "20", "PYDDP_AUTH_TOKEN": "torch-ddp-in-place"})
     try:
         job.start(0)
         job.start(1)
         pids = job.wait_for(lambda r: r["world"] == 4 and r["epoch"] >= 1, 120,
                             "epoch at world 4")["pids"]
+        _an_unauthenticated_client_is_refused(job)
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after host 1 was killed"), pids[:2])
@@ -440,14 +438,3 @@ def _an_unauthenticated_client_is_refused(job):
         PY, "-c", UNAUTHENTICATED, job.b.hosts[0].addr, str(job.port)],
         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.stdout.startswith("REFUSED"), r.stdout + r.stderr[-2000:]
-
-
-def test_inplace_torch_ddp_one_line(tmp_path):
-    """The first seed's script with torch's own DDP and sampler (tests/workers/
-    elastic_job.py torchddp) on docs/elastic.md's line, PYDDP_AUTH_TOKEN set on every
-    node (torch's default group is made over pyddp's authenticated client of the job's
-    store, and torch's own client without the token is refused): host 1 killed, the
-    others go on in the same processes; host 1 runs its line again and is admitted in
-    place."""
-    _run(_inplace_lost_and_back, 2, tmp_path, False, "torchddp", "pyddp",
-         {"PYDDP_AUTH_TOKEN": "torch-ddp-in-place"}, _an_unauthenticated_client_is_refused)

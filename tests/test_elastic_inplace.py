@@ -385,13 +385,13 @@ def test_inplace_joiner_that_cannot_take_part_is_left_out(tmp_path):
     holder.bind(("", 0))
     holder.listen(1)
     port = holder.getsockname()[1]
-    job = LocalJob(tmp_path, env={"PYDDP_TIMEOUT": "10"})
+    job = LocalJob(tmp_path, env={"PYDDP_TIMEOUT": "5"})
     try:
         for r in range(2):
             job.start(f"r{r}", r, 2)
         pids = job.wait_for(lambda r: r["world"] == 2 and r["epoch"] >= 1, 90,
                             "epoch at world 2")["pids"]
-        job.env = {"PYDDP_TIMEOUT": "10", "PYDDP_PORT_RANGE": f"{port}-{port}"}
+        job.env = {"PYDDP_TIMEOUT": "5", "PYDDP_PORT_RANGE": f"{port}-{port}"}
         job.start("bad", join=True)
         job.wait_line(lambda n, ln: n == "bad" and "data port" in ln, 90, "the joiner's error")
         assert job.procs["bad"].wait(timeout=30) != 0

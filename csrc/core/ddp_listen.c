@@ -10,8 +10,8 @@
  * that detach can wait for it. A hello of another wire version is turned
  * away (said once per process); one naming a registration that left is
  * refused with DDP_HELLO_GONE at once, one naming nothing registered when
- * nothing turns up within READY_MS (a group still agreeing on its round has
- * not its final tag yet); a stray or silent connection is closed.
+ * nothing turns up within DDP_LISTEN_READY_MS (a group still agreeing on its
+ * round has not its final tag yet); a stray or silent connection is closed.
  */
 #include "ddp_listen.h"
 
@@ -31,7 +31,6 @@
 #define ACCEPTORS 4                /* threads per listener: handshakes in parallel */
 #define ACCEPTOR_STACK ((size_t)256 << 10)
 #define HELLO_MS 5000              /* a dialer sends its hello at once */
-#define READY_MS 10000             /* how long a connection waits for ddp_listen_ready */
 #define GONE_KEPT 64               /* registrations that left, remembered per listener */
 
 typedef struct listener listener;
@@ -136,7 +135,7 @@ static int left(const listener *l, uint64_t tag, int rank) {
  * still be agreeing on its round (its tag is the round's: ddp_listen_retag). */
 static void dispatch(listener *l, int fd, const ddp_hello *h) {
     char addr[DDP_ADDR_MAX + 16];
-    ddp_wait w = ddp_wait_for(READY_MS, &l->stop);
+    ddp_wait w = ddp_wait_for(DDP_LISTEN_READY_MS, &l->stop);
     pthread_mutex_lock(&g_mu);
     ddp_listen_reg *r = find(l, h->tag, h->to);
     while ((r == NULL || !r->ready) && !left(l, h->tag, h->to) && !ddp_wait_expired(w) &&

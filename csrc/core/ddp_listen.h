@@ -27,6 +27,13 @@
 
 typedef struct ddp_listen_reg ddp_listen_reg;
 
+/* How long (ms) a held connection waits for its registration to be ready, or
+ * for a tag nobody registered yet. The C unit tests build the core with a
+ * shorter one (tests/c/Makefile), so that the waits they check take seconds. */
+#ifndef DDP_LISTEN_READY_MS
+#define DDP_LISTEN_READY_MS 10000
+#endif
+
 /* Serve one connection whose hello h (already read) names this
  * registration: the function owns fd. addr names the connecting end, for
  * messages. Called on an acceptor thread, possibly on several at once (for
@@ -36,7 +43,7 @@ typedef void (*ddp_listen_serve)(void *ctx, int fd, const ddp_hello *h, const ch
 /* Register (tag, rank) with the process's listener for bind_host ("" or NULL:
  * all interfaces) and port range lo..hi (0, 0: any port), opening it if
  * needed; *port is its port. Connections for the registration are held
- * (their acceptor waits, up to 10 s) until ddp_listen_ready, and so are
+ * (their acceptor waits, up to DDP_LISTEN_READY_MS) until ddp_listen_ready, and so are
  * connections naming a tag nobody registered (yet). DDP_ERR_INVALID
  * if (tag, rank) is registered already; the listen errors of ddp_sock_listen. */
 ddp_status ddp_listen_attach(uint64_t tag, int rank, const char *bind_host, int lo, int hi,

@@ -126,14 +126,30 @@ static const size_t COUNTS[] = {1, 3, 4097, 524288 + 3, 262144 * 3 + 1, 65536 + 
 #define NO_DESCRIPTORS 5   /* the counts before this index post none */
 
 /* Every dtype, op and count on one world (the first ncounts of COUNTS);
- * returns descriptors posted in all. */
+ * returns descriptors posted in all. Under ThreadSanitizer, whose point is the
+ * threads' interleavings (the same for every dtype and op, and ten times
+ * slower per byte), two dtypes of different element sizes and SUM and AVG
+ * only: the ASan build runs the whole matrix. */
 static uint64_t run_all(hworld *w, size_t ncounts) {
+#ifdef __SANITIZE_THREAD__
+    static const ddp_dtype types[] = {DDP_FLOAT32, DDP_INT8};
+    const int every_op = 0;
+#else
     static const ddp_dtype types[] = {DDP_FLOAT32, DDP_FLOAT64, DDP_INT32, DDP_INT8,
                                       DDP_FLOAT16, DDP_BFLOAT16};
+    const int every_op = 1;
+#endif
     for (size_t c = 0; c < ncounts; c++) {
         for (size_t k = 0; k < sizeof types / sizeof *types; k++) {
             job j = {types[k], DDP_SUM, COUNTS[c], DDP_OK};
             hrun(w, all_reduce_rank, &j);
+            if (!every_op) {
+                if (types[k] == DDP_FLOAT32) {
+                    j.op = DDP_AVG;
+                    hrun(w, all_reduce_rank, &j);
+                }
+                continue;
+            }
             j.op = DDP_MAX;
             hrun(w, all_reduce_rank, &j);
             if (types[k] == DDP_FLOAT32 || types[k] == DDP_FLOAT64) {
