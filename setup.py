@@ -31,4 +31,5 @@ ext = Extension(
     libraries=["dl", "pthread", "m"],
 )
 
-setup(ext_modules=[ext])
+# The sources compile in parallel, one job per CPU (pip's builds too).
+setup(ext_modules=[ext], options={"build_ext": {"parallel": os.cpu_count() or 1}})

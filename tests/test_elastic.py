@@ -7,11 +7,13 @@ in its own namespace, running tests/workers/elastic_job.py.
   checkpoint on any node (each host has a directory of its own), with
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (down and up; with the agent's shared store up
   is torchrun's own defect, see docs/elastic.md).
-* in place (pyddp.elastic, the agent's shared store): a host killed and started again
-  with the joining line (PYDDP_ELASTIC_JOIN, torchrun --standalone), in both launch
-  forms; on 3 hosts one vanishing (its switch port down), then one worker of another
-  dying (its agent, with --max-restarts=0, takes that host out). The survivors' process ids
-  must stay the same across every change.
+* in place (pyddp.elastic, the agent's shared store): in the first launch form a host
+  killed and started again with its own line; on 3 hosts (c10d form) one vanishing (its
+  switch port down), then one worker of another dying (its agent, with
+  --max-restarts=0, takes that host out), which then comes back with the joining line
+  (PYDDP_ELASTIC_JOIN, torchrun --standalone); on --rdzv-backend=pyddp's line, a host
+  killed and back, a worker killed, a SIGTERM. The survivors' process ids must stay
+  the same across every change.
 
 Every epoch printed must use each sample exactly once at its world size, with the same
 parameters and optimizer state on every rank, and the job must finish on every host.
@@ -246,13 +248,11 @@ def _same_processes(rec, pids, job=None):
     assert rec["pids"] == pids, (rec, pids, "\n".join(job.lines[-120:]) if job else "")
 
 
-def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=None):
-    """In place, agent's store: host 1 killed; its survivors go on in the same
-    processes; host 1 started again is admitted: with its own line in the static form
-    (its workers find the job running in the store), with the joining line in the c10d
-    form (whose stock agents would restart for a node in their rendezvous), with its own
-    line on pyddp's rendezvous (rdzv="pyddp")."""
-    job = Job(b, mode, tmp, "2" if static else "1:2", static=static, rdzv=rdzv, env=env)
+def _inplace_static_lost_and_back(b, tmp):
+    """In place, the first launch form (the agent's store on host 0): host 1 killed; its
+    survivors go on in the same processes; host 1 started again with its own line is
+    admitted (its workers find the job running in the store)."""
+    job = Job(b, "inplace", tmp, "2", static=True)
     try:
         job.start(0)
         job.start(1)
@@ -261,7 +261,7 @@ def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=
         job.kill(1)
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after host 1 was killed"), pids[:2], job)
-        job.start(1, join=not static and rdzv is None)
+        job.start(1)
         rec = job.wait_for(lambda r: r["world"] == 4, 90, "epoch at world 4 after host 1 joined")
         assert rec["pids"][:2] == pids[:2]
         job.finish([0, 1])
@@ -270,22 +270,20 @@ def _inplace_lost_and_back(b, tmp, static=False, mode="inplace", rdzv=None, env=
     job.check_epochs(contiguous=True)
 
 
-def test_inplace_host_lost_and_back(tmp_path):
-    """The issue's scenario in place: no worker restarts on either change."""
-    _run(_inplace_lost_and_back, 2, tmp_path)
-
-
 def test_inplace_static_form_host_lost_and_back(tmp_path):
     """The first seed's line (--nnodes=2 --node_rank=i --master_addr --master_port) in
     place: its world size is fixed for torchrun, but pyddp's survivors go on without the
     lost host and admit it again when it runs the same line again."""
-    _run(_inplace_lost_and_back, 2, tmp_path, True)
+    _run(_inplace_static_lost_and_back, 2, tmp_path)
 
 
 def _inplace_three_hosts(b, tmp):
-    """3 hosts x 2 ranks in place: host 2 vanishes (noticed within PYDDP_PEER_DEAD_S),
-    then one worker of host 1 dies (its agent takes the host out); the job goes on at 4,
-    then 2 ranks, and finishes."""
+    """3 hosts x 2 ranks in place on the c10d form: host 2 vanishes (noticed within
+    PYDDP_PEER_DEAD_S), then one worker of host 1 dies (its agent takes the host out);
+    the job goes on at 4, then 2 ranks, in the same processes; host 1 then runs the
+    joining line (PYDDP_ELASTIC_JOIN, torchrun --standalone: the c10d form's stock
+    agents would restart for a node in their rendezvous) and is admitted in place; the
+    job finishes on hosts 0 and 1."""
     job = Job(b, "inplace", tmp, "1:3", {"PYDDP_PEER_DEAD_S": "3"})
     try:
         for i in range(3):
@@ -299,7 +297,12 @@ def _inplace_three_hosts(b, tmp):
         _same_processes(job.wait_for(lambda r: r["world"] == 2, 60,
                                      "epoch at world 2 after a worker of host 1 died"),
                         pids[:2])
-        job.finish([0])
+        job.procs[1].wait(timeout=60)           # host 1's agent took the host out
+        job.start(1, join=True)
+        rec = job.wait_for(lambda r: r["world"] == 4, 90,
+                           "epoch at world 4 after host 1 ran the joining line")
+        assert rec["pids"][:2] == pids[:2], rec
+        job.finish([0, 1])
     finally:
         job.close()
     job.check_epochs()

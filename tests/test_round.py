@@ -102,7 +102,7 @@ def test_a_rank_that_never_starts_is_named():
     try:
         server.set("j/hello/2", "nonce=a-dead-process")   # the core's key /j/hello/2
         out = {}
-        for t in _start(server.port, "/j", [0, 1], 3, {}, out, timeout_s=5):
+        for t in _start(server.port, "/j", [0, 1], 3, {}, out, timeout_s=3):
             t.join(30)
         assert isinstance(out[0], _C.DistTimeoutError), out
         assert "ranks [2]" in str(out[0]), out[0]
