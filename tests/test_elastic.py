@@ -220,8 +220,8 @@ def _run(fn, hosts, *args):
         pytest.skip(str(e))
 
 
-def _restart_down(b, tmp, env, back):
-    """Host 1 killed mid-training (and, if back, started again with the same line)."""
+def _restart_down_and_back(b, tmp, env):
+    """Host 1 killed mid-training, then started again with the same line."""
     job = Job(b, "restart", tmp, "1:2", env)
     try:
         job.start(0)
@@ -229,10 +229,9 @@ def _restart_down(b, tmp, env, back):
         job.wait_for(lambda r: r["world"] == 4, 120, "epoch at world 4")
         job.kill(1)
         job.wait_for(lambda r: r["world"] == 2, 120, "epoch at world 2 after host 1 was killed")
-        if back:
-            job.start(1)
-            job.wait_for(lambda r: r["world"] == 4, 150, "epoch at world 4 after host 1 returned")
-        job.finish([0, 1] if back else [0])
+        job.start(1)
+        job.wait_for(lambda r: r["world"] == 4, 150, "epoch at world 4 after host 1 returned")
+        job.finish([0, 1])
     finally:
         job.close()
     job.check_epochs(contiguous=True)
@@ -241,7 +240,7 @@ def _restart_down(b, tmp, env, back):
 def test_restart_based_host_lost_and_back(tmp_path):
     """The issue's row: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, host B killed, started
     again: the job shrinks to 2 ranks, grows back to 4, and finishes on both hosts."""
-    _run(_restart_down, 2, tmp_path, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, True)
+    _run(_restart_down_and_back, 2, tmp_path, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def _same_processes(rec, pids, job=None):
@@ -324,7 +323,7 @@ def _one_line(b, tmp):
     of the endpoint's node killed (its agent starts that node's workers again, which
     join in place; the other host's ranks go on); the other host's torchrun sent SIGTERM
     (its ranks leave at the next commit: no settle wait, no rollback). pyddp's own DDP
-    on this line runs in tests/test_elastic_etcd.py and tests/test_elastic_inplace.py."""
+    on this line runs in _paused_and_stateful below and in tests/test_elastic_etcd.py."""
     job = Job(b, "torchddp", tmp, "1:2", rdzv="pyddp",
               env={"PYDDP_ELASTIC_SETTLE_S": "20", "PYDDP_AUTH_TOKEN": "torch-ddp-in-place"})
     try:
