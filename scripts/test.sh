@@ -4,7 +4,14 @@
 # and the nvidia-nccl-cu13 wheel, whose nccl.h and libnccl.so.2 tests/test_nccl_real.py
 # checks pyddp against without a GPU), then run the C unit tests (under ASan/UBSan, no
 # Python) and the whole pytest suite.
-# Usage: bash scripts/test.sh [extra pytest arguments]
+#
+# The whole suite runs in two pytest processes side by side: the multi-host elastic and
+# etcd tests (mostly waiting for detection deadlines, little CPU) in one, everything else
+# in the other, the result-comparison tests first so that the tests that time their
+# deadlines run once the machine is quieter. Each lane prints its own summary; the
+# script fails if either fails.
+# Usage: bash scripts/test.sh [extra pytest arguments]   (with arguments: one pytest
+# process; paths among them choose the tests, otherwise the whole tests/ folder runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PYDDP_VENV:-.venv}
@@ -14,4 +21,37 @@ PYTHON=${PYTHON:-python3}
 echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 make -s -j"$(nproc)" -C tests/c check
 echo "== Python tests"
-"$VENV/bin/python" -m pytest -q "$@" tests
+PYTEST=("$VENV/bin/python" -m pytest -q)
+if [ $# -gt 0 ]; then
+    for a in "$@"; do
+        case "$a" in tests*) exec "${PYTEST[@]}" "$@" ;; esac
+    done
+    exec "${PYTEST[@]}" "$@" tests
+fi
+
+SIDE=(tests/test_elastic.py tests/test_elastic_etcd.py tests/test_etcd_store.py
+      tests/test_multivm.py)
+EARLY=(tests/test_torch_suite.py tests/test_ddp_join.py tests/test_collectives.py
+       tests/test_transport.py tests/test_hier.py tests/test_ddp_numpy.py
+       tests/test_ddp_parity.py tests/test_ddp_reduce_dtype.py tests/test_subgroups.py
+       tests/test_accelerate.py tests/test_recv_any.py tests/test_sampler.py
+       tests/test_lightning.py tests/test_examples.py tests/test_nccl_real.py
+       tests/test_nccl_nogpu.py tests/test_nccl_lean.py tests/test_bench_plot.py)
+MAIN=("${EARLY[@]}")
+for f in tests/test_*.py; do
+    case " ${SIDE[*]} ${EARLY[*]} " in *" $f "*) ;; *) MAIN+=("$f") ;; esac
+done
+MAIN+=(tests/gpu)
+
+SIDE_LOG=$(mktemp)
+"${PYTEST[@]}" -p no:cacheprovider "${SIDE[@]}" >"$SIDE_LOG" 2>&1 &
+SIDE_PID=$!
+trap 'kill "$SIDE_PID" 2>/dev/null || true; rm -f "$SIDE_LOG"' EXIT
+main_rc=0
+"${PYTEST[@]}" "${MAIN[@]}" || main_rc=$?
+side_rc=0
+wait "$SIDE_PID" || side_rc=$?
+echo "== Python tests, multi-host elastic and etcd lane (${SIDE[*]})"
+cat "$SIDE_LOG"
+echo "== Python tests: main lane exit $main_rc, elastic/etcd lane exit $side_rc"
+[ "$main_rc" -eq 0 ] && [ "$side_rc" -eq 0 ]
