@@ -11,7 +11,7 @@
 # deadlines run once the machine is quieter. Each lane prints its own summary; the
 # script fails if either fails.
 # Usage: bash scripts/test.sh [extra pytest arguments]   (with arguments: one pytest
-# process; paths among them choose the tests, otherwise the whole tests/ folder runs)
+# process; without a path among them the whole tests/ folder runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PYDDP_VENV:-.venv}
@@ -22,12 +22,8 @@ echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 make -s -j"$(nproc)" -C tests/c check
 echo "== Python tests"
 PYTEST=("$VENV/bin/python" -m pytest -q)
-if [ $# -gt 0 ]; then
-    for a in "$@"; do
-        case "$a" in tests*) exec "${PYTEST[@]}" "$@" ;; esac
-    done
-    exec "${PYTEST[@]}" "$@" tests
-fi
+# pyproject.toml's testpaths make tests/ the default when no path is given
+if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
 
 SIDE=(tests/test_elastic.py tests/test_elastic_etcd.py tests/test_etcd_store.py
       tests/test_multivm.py)
@@ -43,10 +39,12 @@ for f in tests/test_*.py; do
 done
 MAIN+=(tests/gpu)
 
+# The side lane in its own process group (setsid), so that an early exit kills it and
+# every process its tests started.
 SIDE_LOG=$(mktemp)
-"${PYTEST[@]}" -p no:cacheprovider "${SIDE[@]}" >"$SIDE_LOG" 2>&1 &
+setsid "${PYTEST[@]}" -p no:cacheprovider "${SIDE[@]}" >"$SIDE_LOG" 2>&1 &
 SIDE_PID=$!
-trap 'kill "$SIDE_PID" 2>/dev/null || true; rm -f "$SIDE_LOG"' EXIT
+trap 'kill -- -"$SIDE_PID" 2>/dev/null || true; rm -f "$SIDE_LOG"' EXIT
 main_rc=0
 "${PYTEST[@]}" "${MAIN[@]}" || main_rc=$?
 side_rc=0
