@@ -32,9 +32,19 @@
  *   staged  otherwise (TCP, or a ring too small): each message is one
  *           ddp_link_sendrecv, partial sums accumulated in place as in
  *           ddp_coll_ring.c, received partial sums in one slice of scratch.
- * Deadlock: a message is at most one slice and a direct rank needs room for
- * only the message it produces beside the one its successor has not yet
- * read, so with two slices of ring the rank furthest behind can always go on.
+ * Program order on a direct rank: slice k+1's first message (the own input
+ * of block me-1) is pushed right after slice k's last sending take, before
+ * slice k's last received block is copied into place, so the successor starts
+ * the next slice while this rank finishes the last one. Each link still
+ * carries the messages in stream order; only when a rank writes them moves.
+ * Deadlock: a message is at most one slice and a ring holds two. A rank
+ * sends at most one message more than it has received, two only in that
+ * early push, which waits for its successor to read no more than the message
+ * before it. So along a chain of ranks each waiting for room, the number of
+ * messages read falls strictly from each rank to its successor, which cannot
+ * close a ring; a rank waiting for bytes has a predecessor with an empty
+ * link, so not waiting for room; and ranks all waiting for bytes would need
+ * every link empty while each has sent more than it received.
  */
 #include "ddp_coll_internal.h"
 
@@ -190,19 +200,30 @@ static ddp_status take(const slicer *c, int action, char *own, size_t len) {
     return DDP_OK;
 }
 
+/* Push slice k of the block a rank sends first (block me-1, its own input). */
+static ddp_status push_slice(const slicer *c, size_t k) {
+    char *p;
+    const size_t len = slice_at(c, c->me - 1, k, &p);
+    return push(c, p, len * c->es);
+}
+
+/* Run every slice's 2(n-1) messages in stream order, with slice k+1's
+ * first message pushed as soon as slice k's last sending take is done (see
+ * the file comment: the streams are unchanged, the successor starts on the
+ * next slice while this rank copies slice k's last block into place). */
 static ddp_status run_direct(const slicer *c, size_t nslices) {
-    for (size_t k = 0; k < nslices; k++) {
-        char *p;
-        size_t len = slice_at(c, c->me - 1, k, &p);
-        ddp_status st = push(c, p, len * c->es);
+    const int last_send = 2 * c->n - 4; /* j of slice k's last sending take */
+    ddp_status st = nslices ? push_slice(c, 0) : DDP_OK;
+    for (size_t k = 0; st == DDP_OK && k < nslices; k++) {
         for (int j = 0; st == DDP_OK && j < 2 * c->n - 2; j++) {
             int action;
-            len = slice_at(c, recv_block(c, j, &action), k, &p);
+            char *p;
+            const size_t len = slice_at(c, recv_block(c, j, &action), k, &p);
             st = take(c, action, p, len * c->es);
+            if (st == DDP_OK && j == last_send && k + 1 < nslices) st = push_slice(c, k + 1);
         }
-        if (st != DDP_OK) return st;
     }
-    return DDP_OK;
+    return st;
 }
 
 /* ---- staged --------------------------------------------------------------- */
