@@ -1,17 +1,19 @@
 /* ddp_listen.c - the process's data port and its acceptor threads (contract
  * in ddp_listen.h).
  *
- * Listeners live in one process-wide list under g_mu; each has its socket,
- * a wake pipe, ACCEPTORS threads and its registrations. An acceptor blocks
- * in poll() on the socket and the pipe's read end; a connection is accepted
- * by whichever thread gets it first (the others see EAGAIN), its hello read
- * (bounded: a peer that dialed sends it at once), and handed to the
- * registration its tag and rank name, which is marked busy for the call so
- * that detach can wait for it. A hello of another wire version is turned
- * away (said once per process); one naming a registration that left is
- * refused with DDP_HELLO_GONE at once, one naming nothing registered when
- * nothing turns up within DDP_LISTEN_READY_MS (a group still agreeing on its
- * round has not its final tag yet); a stray or silent connection is closed.
+ * Listeners live in one process-wide list under g_mu; each has its socket, a
+ * wake pipe, ACCEPTORS threads and its registrations (hashed by tag and
+ * rank: a process of a thousand thread-ranks finds each in O(1) under the
+ * lock every acceptor takes). An acceptor blocks in poll() on the socket and
+ * the pipe's read end; a connection is accepted by whichever thread gets it
+ * first (the others see EAGAIN), its hello read (bounded: a peer that dialed
+ * sends it at once), and handed to the registration its tag and rank name,
+ * which is marked busy for the call so that detach can wait for it. A hello
+ * of another wire version is turned away (said once per process); one naming
+ * a registration that left is refused with DDP_HELLO_GONE at once, one
+ * naming nothing registered when nothing turns up within DDP_LISTEN_READY_MS
+ * (a group still agreeing on its round has not its final tag yet); a stray
+ * or silent connection is closed.
  */
 #include "ddp_listen.h"
 
@@ -32,6 +34,7 @@
 #define ACCEPTOR_STACK ((size_t)256 << 10)
 #define HELLO_MS 5000              /* a dialer sends its hello at once */
 #define GONE_KEPT 64               /* registrations that left, remembered per listener */
+#define REG_BUCKETS 1024           /* hash chains of a listener's registrations (power of 2) */
 
 typedef struct listener listener;
 
@@ -43,7 +46,7 @@ struct ddp_listen_reg {
     void *ctx;
     int ready, gone;
     int serving;                   /* serve calls running (g_mu) */
-    ddp_listen_reg *next;
+    ddp_listen_reg *hnext;         /* next in its hash chain (g_mu) */
 };
 
 struct listener {
@@ -58,7 +61,9 @@ struct listener {
     } gone[GONE_KEPT];             /* the last registrations that left: refused at once */
     int gone_next;
     int dead;                      /* a forked child's copy: no socket, no thread */
-    ddp_listen_reg *regs;
+    ddp_listen_reg *regs[REG_BUCKETS]; /* registrations by (tag, rank): a thousand ranks of
+                                          one process (threads) dispatch in O(1) */
+    int nregs;
     listener *next;
 };
 
@@ -116,9 +121,29 @@ static int read_hello(listener *l, int fd, ddp_hello *h) {
     return 0;
 }
 
+/* The hash chain of (tag, rank) in l. */
+static ddp_listen_reg **chain(listener *l, uint64_t tag, int rank) {
+    uint64_t x = (tag ^ ((uint64_t)(uint32_t)rank * 0x9E3779B97F4A7C15ull)) * 0xBF58476D1CE4E5B9ull;
+    return &l->regs[(x >> 32) & (REG_BUCKETS - 1)];
+}
+
+/* Put r in / take r out of its listener's table under its current key;
+ * with g_mu held. */
+static void reg_link(ddp_listen_reg *r) {
+    ddp_listen_reg **c = chain(r->l, r->tag, r->rank);
+    r->hnext = *c;
+    *c = r;
+}
+
+static void reg_unlink(ddp_listen_reg *r) {
+    ddp_listen_reg **pp = chain(r->l, r->tag, r->rank);
+    while (*pp != r) pp = &(*pp)->hnext;
+    *pp = r->hnext;
+}
+
 /* The registration (tag, rank) of l, or NULL; with g_mu held. */
 static ddp_listen_reg *find(listener *l, uint64_t tag, int rank) {
-    for (ddp_listen_reg *r = l->regs; r; r = r->next)
+    for (ddp_listen_reg *r = *chain(l, tag, rank); r; r = r->hnext)
         if (r->tag == tag && r->rank == rank && !r->gone) return r;
     return NULL;
 }
@@ -265,8 +290,8 @@ ddp_status ddp_listen_attach(uint64_t tag, int rank, const char *bind_host, int 
     }
     if (st == DDP_OK) {
         r->l = l;
-        r->next = l->regs;
-        l->regs = r;
+        reg_link(r);
+        l->nregs++;
         *port = l->port;
         *out = r;
     }
@@ -278,7 +303,9 @@ ddp_status ddp_listen_attach(uint64_t tag, int rank, const char *bind_host, int 
 void ddp_listen_retag(ddp_listen_reg *r, uint64_t tag) {
     if (r == NULL) return;
     pthread_mutex_lock(&g_mu);
+    reg_unlink(r);
     r->tag = tag;
+    reg_link(r);
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -296,14 +323,12 @@ void ddp_listen_detach(ddp_listen_reg *r) {
     r->gone = 1;
     pthread_cond_broadcast(&g_cv);   /* connections waiting for it are refused */
     while (r->serving > 0) pthread_cond_wait(&g_cv, &g_mu);
-    ddp_listen_reg **pp = &l->regs;
-    while (*pp != r) pp = &(*pp)->next;
-    *pp = r->next;
+    reg_unlink(r);
     l->gone[l->gone_next].tag = r->tag;
     l->gone[l->gone_next].rank = r->rank;
     l->gone[l->gone_next].set = 1;
     l->gone_next = (l->gone_next + 1) % GONE_KEPT;
-    if (l->regs == NULL) {   /* its last one: off the list, closed below */
+    if (--l->nregs == 0) {   /* its last one: off the list, closed below */
         listener **lp = &g_list;
         while (*lp != l) lp = &(*lp)->next;
         *lp = l->next;
