@@ -5,9 +5,9 @@
 # checks pyddp against without a GPU), then run the C unit tests (under ASan/UBSan, no
 # Python) and the whole pytest suite.
 #
-# The whole suite runs in two pytest processes side by side: the multi-host elastic and
-# etcd tests (mostly waiting for detection deadlines, little CPU) in one, everything else
-# in the other, the result-comparison tests first so that the tests that time their
+# The whole suite runs in two pytest processes side by side: the tests that mostly wait
+# out detection deadlines (multi-host and in-place elastic, etcd, straggler reports,
+# exits; little CPU) in one, everything else in the other, the result-comparison tests first so that the tests that time their
 # deadlines run once the machine is quieter. Each lane prints its own summary; the
 # script fails if either fails.
 # Usage: bash scripts/test.sh [extra pytest arguments]   (with arguments: one pytest
@@ -26,7 +26,8 @@ PYTEST=("$VENV/bin/python" -m pytest -q)
 if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
 
 SIDE=(tests/test_elastic.py tests/test_elastic_etcd.py tests/test_etcd_store.py
-      tests/test_multivm.py)
+      tests/test_multivm.py tests/test_elastic_inplace.py tests/test_straggler.py
+      tests/test_exits.py)
 EARLY=(tests/test_torch_suite.py tests/test_ddp_join.py tests/test_collectives.py
        tests/test_transport.py tests/test_hier.py tests/test_ddp_numpy.py
        tests/test_ddp_parity.py tests/test_ddp_reduce_dtype.py tests/test_subgroups.py
@@ -49,7 +50,7 @@ main_rc=0
 "${PYTEST[@]}" "${MAIN[@]}" || main_rc=$?
 side_rc=0
 wait "$SIDE_PID" || side_rc=$?
-echo "== Python tests, multi-host elastic and etcd lane (${SIDE[*]})"
+echo "== Python tests, the waiting lane (${SIDE[*]})"
 cat "$SIDE_LOG"
-echo "== Python tests: main lane exit $main_rc, elastic/etcd lane exit $side_rc"
+echo "== Python tests: main lane exit $main_rc, waiting lane exit $side_rc"
 [ "$main_rc" -eq 0 ] && [ "$side_rc" -eq 0 ]
