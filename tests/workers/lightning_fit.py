@@ -3,6 +3,12 @@ the same processes, first with Lightning's stock "ddp" strategy on CPU (gloo), t
 with "ddp_pyddp" (Lightning's DDPStrategy over the "pyddp" torch backend), each from the
 same seed; the process group is destroyed in between.
 
+Under Lightning's own launcher rank 0 hosts the job's store on MASTER_PORT for each fit
+and the next fit reuses the port: a rank that started the second fit before rank 0's
+first store was gone would connect to that old store and lose it mid-rendezvous. So
+between fits rank 0 waits until the port no longer answers and then leaves a mark in
+--out that the other ranks wait for (under torchrun the agent's store serves both fits).
+
 Run under torchrun (Lightning detects TorchElasticEnvironment and starts nothing) or as
 plain ``python lightning_fit.py --devices N`` (Lightning's own launcher re-runs this
 script for the other ranks). Rank 0 prints one line per strategy:
@@ -11,8 +17,11 @@ means, an integer mean, test metrics), the sampler class Lightning injected and 
 checkpoint round trip.
 """
 import argparse
+import gc
 import json
 import os
+import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -103,6 +112,36 @@ def fit(strategy, devices, out):
     if trainer.global_rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
+    return trainer.global_rank
+
+
+def _port_answers(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def between_fits(rank, out, k, deadline_s=60.0):
+    """See the module's docstring: rank 0 until its store on MASTER_PORT is gone, every
+    other rank until rank 0 says so (a file in out); fails past deadline_s."""
+    mark = os.path.join(out, f"fit{k}.done")
+    end = time.monotonic() + deadline_s
+    if rank == 0:
+        gc.collect()   # the trainer's cycles hold the store that rank 0 hosts
+        port = int(os.environ.get("MASTER_PORT", "0"))
+        while port and _port_answers(port):
+            if time.monotonic() > end:
+                raise TimeoutError(f"the store on port {port} outlived its fit")
+            gc.collect()
+            time.sleep(0.05)
+        open(mark, "w").close()
+        return
+    while not os.path.exists(mark):
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank 0 did not finish fit {k} within {deadline_s:.0f} s")
+        time.sleep(0.05)
 
 
 def main():
@@ -112,8 +151,11 @@ def main():
     p.add_argument("--strategies", default="ddp,ddp_pyddp")
     a = p.parse_args()
     devices = a.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    for strategy in a.strategies.split(","):
-        fit(strategy, devices, a.out)
+    own_launcher = "TORCHELASTIC_RUN_ID" not in os.environ
+    for k, strategy in enumerate(a.strategies.split(",")):
+        rank = fit(strategy, devices, a.out)
+        if own_launcher:
+            between_fits(rank, a.out, k)
 
 
 if __name__ == "__main__":
