@@ -7,9 +7,9 @@
 #
 # The whole suite runs in two pytest processes side by side: the tests that mostly wait
 # out detection deadlines (multi-host and in-place elastic, etcd, straggler reports,
-# exits; little CPU) in one, everything else in the other, the result-comparison tests first so that the tests that time their
-# deadlines run once the machine is quieter. Each lane prints its own summary; the
-# script fails if either fails.
+# exits; little CPU) in one, everything else in the other, the result-comparison tests
+# first so that the tests that time their deadlines run once the machine is quieter.
+# Each lane prints its own summary; the script fails if either fails.
 # Usage: bash scripts/test.sh [extra pytest arguments]   (with arguments: one pytest
 # process; without a path among them the whole tests/ folder runs)
 set -euo pipefail

@@ -152,9 +152,10 @@ def main():
     a = p.parse_args()
     devices = a.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     own_launcher = "TORCHELASTIC_RUN_ID" not in os.environ
-    for k, strategy in enumerate(a.strategies.split(",")):
+    strategies = a.strategies.split(",")
+    for k, strategy in enumerate(strategies):
         rank = fit(strategy, devices, a.out)
-        if own_launcher:
+        if own_launcher and k + 1 < len(strategies):
             between_fits(rank, a.out, k)
 
 
