@@ -7,8 +7,10 @@ one write releases them all at once. Ranks report one line each (shorter than
 PIPE_BUF, so lines from many processes never interleave) on the report pipe:
 
     ready <rank> <pid>                       at the first gate, the library imported
-    init <rank> <t_done>                     init finished (time.monotonic(), which is
-                                             the same clock in every process)
+    init <rank> <t_done> [<cpu_s>]           init finished (time.monotonic(), which is
+                                             the same clock in every process), and the
+                                             CPU time init took in this process (all
+                                             its threads; forked ranks only)
     done <rank> <first_s> <steady_s>         after the all-reduces (first, median)
     fail <rank> <message>                    any failure (then the rank exits)
 
@@ -92,8 +94,9 @@ def forked_rank(rank, n, iters, timeout_s, gates, rep, lib):
         if os.environ.get("SCALE_STORE_FIRST") == "1" else None
     report(rep, f"ready {rank} {os.getpid()}")
     wait_gate(gates[0], timeout_s)
+    cpu = time.process_time()
     lib.init(t, store, rank, n)
-    report(rep, f"init {rank} {time.monotonic():.6f}")
+    report(rep, f"init {rank} {time.monotonic():.6f} {time.process_time() - cpu:.6f}")
     wait_gate(gates[1], timeout_s)
     x = lib.zeros()
     want = n * (n - 1) / 2
