@@ -2,10 +2,15 @@
  * in ddp_listen.h).
  *
  * Listeners live in one process-wide list under g_mu; each has its socket, a
- * wake pipe, ACCEPTORS threads and its registrations (hashed by tag and
+ * wake pipe, up to ACCEPTORS threads and its registrations (hashed by tag and
  * rank: a process of a thousand thread-ranks finds each in O(1) under the
- * lock every acceptor takes). An acceptor blocks in poll() on the socket and
- * the pipe's read end; a connection is accepted by whichever thread gets it
+ * lock every acceptor takes). A listener starts with one acceptor; one that
+ * takes a connection while no other is idle starts another (up to
+ * ACCEPTORS), so handshakes still run side by side where connections come
+ * together, and a process whose peers seldom dial (or never: most ranks of a
+ * big world link to few others) does not pay for threads at init. An
+ * acceptor blocks in poll() on the socket and the pipe's read end; a
+ * connection is accepted by whichever thread gets it
  * first (the others see EAGAIN), its hello read (bounded: a peer that dialed
  * sends it at once), and handed to the registration its tag and rank name,
  * which is marked busy for the call so that detach can wait for it. A hello
@@ -54,7 +59,8 @@ struct listener {
     char bind[256];
     atomic_int stop;
     pthread_t threads[ACCEPTORS];
-    int nthreads;
+    int nthreads;                  /* started (g_mu) */
+    atomic_int idle;               /* acceptors not handling a connection */
     struct {
         uint64_t tag;
         int rank, set;
@@ -184,6 +190,29 @@ static void dispatch(listener *l, int fd, const ddp_hello *h) {
     pthread_mutex_unlock(&g_mu);
 }
 
+static void *acceptor_main(void *arg);
+
+/* Start one more acceptor for l unless it has ACCEPTORS or is stopping; 0 or
+ * an errno. Takes g_mu unless the caller holds it (locked). */
+static int grow(listener *l, int locked) {
+    if (!locked) pthread_mutex_lock(&g_mu);
+    int e = 0;
+    if (l->nthreads < ACCEPTORS && !atomic_load(&l->stop) && !l->dead) {
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setstacksize(&at, ACCEPTOR_STACK);
+        atomic_fetch_add(&l->idle, 1);   /* before it runs: no second grow meanwhile */
+        e = pthread_create(&l->threads[l->nthreads], &at, acceptor_main, l);
+        if (e == 0) l->nthreads++;
+        else atomic_fetch_sub(&l->idle, 1);
+        pthread_attr_destroy(&at);
+    }
+    if (!locked) pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+/* An acceptor: takes connections until l stops. While it handles one it is
+ * not idle, and the last idle one to take a connection starts another. */
 static void *acceptor_main(void *arg) {
     listener *l = arg;
     for (;;) {
@@ -197,23 +226,27 @@ static void *acceptor_main(void *arg) {
             if (st == DDP_ERR_SYS) usleep(50000);   /* e.g. EMFILE: do not spin */
             continue;
         }
+        if (atomic_fetch_sub(&l->idle, 1) == 1) grow(l, 0);   /* the last idle one: start another */
         ddp_hello h;
-        if (read_hello(l, fd, &h) != 0) {   /* a stray, stale or silent connection */
-            close(fd);
-            continue;
-        }
-        dispatch(l, fd, &h);
+        if (read_hello(l, fd, &h) == 0) dispatch(l, fd, &h);
+        else close(fd);   /* a stray, stale or silent connection */
+        atomic_fetch_add(&l->idle, 1);
     }
     return NULL;
 }
 
 /* ---- registrations ---------------------------------------------------------- */
 
-/* Stop l's threads and close its sockets; l is off the list already. */
+/* Stop l's threads and close its sockets; l is off the list already. An
+ * acceptor that grows l does so under g_mu and not once stop is set, so the
+ * count read under g_mu after setting stop is every thread there is. */
 static void listener_close(listener *l) {
     atomic_store(&l->stop, 1);
-    if (l->nthreads > 0 && write(l->wake[1], "x", 1) < 0) { /* stop is seen on any wake */ }
-    for (int i = 0; i < l->nthreads; i++) pthread_join(l->threads[i], NULL);
+    pthread_mutex_lock(&g_mu);
+    int n = l->nthreads;
+    pthread_mutex_unlock(&g_mu);
+    if (n > 0 && write(l->wake[1], "x", 1) < 0) { /* stop is seen on any wake */ }
+    for (int i = 0; i < n; i++) pthread_join(l->threads[i], NULL);
     if (!l->dead) {
         close(l->lfd);
         close(l->wake[0]);
@@ -222,7 +255,8 @@ static void listener_close(listener *l) {
     free(l);
 }
 
-/* A new listener for bind_host and lo..hi, its threads started; not listed. */
+/* A new listener for bind_host and lo..hi, its first acceptor started; not
+ * listed. With g_mu held. */
 static ddp_status listener_open(const char *bind_host, int lo, int hi, listener **out) {
     listener *l = calloc(1, sizeof *l);
     if (l == NULL) return ddp_error(DDP_ERR_NOMEM, "out of memory");
@@ -241,22 +275,14 @@ static ddp_status listener_open(const char *bind_host, int lo, int hi, listener 
         free(l);
         return st;
     }
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setstacksize(&at, ACCEPTOR_STACK);
-    for (int i = 0; i < ACCEPTORS; i++) {
-        int e = pthread_create(&l->threads[l->nthreads], &at, acceptor_main, l);
-        if (e != 0) {
-            if (l->nthreads > 0) break;   /* fewer threads still serve */
-            st = ddp_error(DDP_ERR_SYS, "could not start the thread that accepts peers' "
-                           "connections: %s", strerror(e));
-            break;
-        }
-        l->nthreads++;
-    }
-    pthread_attr_destroy(&at);
-    if (st != DDP_OK) {
-        listener_close(l);
+    int e = grow(l, 1);
+    if (e != 0) {
+        st = ddp_error(DDP_ERR_SYS, "could not start the thread that accepts peers' "
+                       "connections: %s", strerror(e));
+        close(l->lfd);
+        close(l->wake[0]);
+        close(l->wake[1]);
+        free(l);
         return st;
     }
     *out = l;

@@ -9,7 +9,10 @@
  *     while a forked child that inherited it is alive (the child closed its
  *     copy at fork), and a registration in the child gets a port of its own;
  *   - a registration wanting another port range gets another listener; the
- *     same (tag, rank) twice is refused.
+ *     same (tag, rank) twice is refused;
+ *   - the listener starts one acceptor and more as connections keep them busy:
+ *     with three silent connections held open (each one acceptor's, up to the
+ *     hello deadline) a peer's hello is still served at once.
  */
 #include <errno.h>
 #include <signal.h>
@@ -171,12 +174,36 @@ static void test_other_range(void) {
     printf("listen: another port range, another listener: ok\n");
 }
 
+/* Three connections that never say hello hold three acceptors for the hello
+ * deadline (5 s); a fourth acceptor, started when the third got busy, serves a
+ * real peer meanwhile. */
+static void test_busy_acceptors(void) {
+    seen a = {0, -1};
+    ddp_listen_reg *ra;
+    int port = 0, silent[3];
+    T_OK(ddp_listen_attach(0x6666, 0, "", 0, 0, serve_fn, &a, &port, &ra));
+    ddp_listen_ready(ra);
+    for (int i = 0; i < 3; i++) {
+        T_OK(ddp_sock_connect_peer("127.0.0.1", port, ddp_wait_for(2000, NULL), "test",
+                                   &silent[i]));
+        usleep(50000);           /* taken by an acceptor, which starts the next one */
+    }
+    int64_t t0 = ddp_now_ms();
+    T_ASSERT(dial(port, 0x6666, 1, 0) == DDP_HELLO_OK);
+    T_ASSERT(ddp_now_ms() - t0 < 2000);   /* not after a silent one's 5 s */
+    wait_served(&a, 1);
+    for (int i = 0; i < 3; i++) close(silent[i]);
+    ddp_listen_detach(ra);
+    printf("listen: acceptors grow while silent connections hold them: ok\n");
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     test_shared_port();
     test_held_until_ready();
     test_fork();
     test_other_range();
+    test_busy_acceptors();
     printf("test_listen: ok\n");
     return 0;
 }
