@@ -39,7 +39,7 @@ import time
 import weakref
 from datetime import timedelta
 
-from . import _C
+from . import _C, _bgthread
 
 REPORT_WAIT_S = 2.0
 STOP_S = 2.0              # destroy's wait for a stopped watcher's thread to return
@@ -138,6 +138,7 @@ def describe_entry(e):
 def stacks(skip_ident=None):
     """Every thread's innermost frames: [{"thread", "frames": [[file, line, func]]}]."""
     names = {t.ident: t.name for t in threading.enumerate()}
+    names.update(_bgthread.names)
     out = []
     for ident, frame in sys._current_frames().items():
         if ident == skip_ident:
@@ -198,8 +199,7 @@ class Watcher:
         self._lock = threading.Lock()     # _stop, the connections, arming the group
         self.reports = self._watch = None  # set by the thread once connected
         self._store = st
-        self._thread = threading.Thread(target=self._run, name="pyddp-watcher", daemon=True)
-        self._thread.start()
+        self._thread = _bgthread.BackgroundThread(self._run, "pyddp-watcher")
 
     def _connect(self):
         """On the watcher's thread once the group's first collective started, so that
@@ -318,8 +318,7 @@ class Watcher:
         with self._lock:
             self._stop = True
             _close((self._watch, self.reports))
-        if (join_s is not None and not self._waiting
-                and self._thread is not threading.current_thread()):
+        if join_s is not None and not self._waiting and not self._thread.is_current():
             self._thread.join(join_s)
 
 
