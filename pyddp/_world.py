@@ -279,12 +279,12 @@ def _warn_unauthenticated(g):
     PYDDP_AUTH_TOKEN (an explicitly empty PYDDP_AUTH_TOKEN= silences it): anyone who
     reaches its ports could join it. For pyddp's own init and torch's backend alike."""
     global _auth_warned
-    if _auth_warned or _C.setting_text("PYDDP_AUTH_TOKEN") is not None or \
-            _C.setting_text("PYDDP_AUTH_TOKEN_FILE"):
-        return
+    if _auth_warned or g._world_rank != 0 or _C.setting_text("PYDDP_AUTH_TOKEN") is not None \
+            or _C.setting_text("PYDDP_AUTH_TOKEN_FILE"):
+        return      # only rank 0 says it: the others need not look at every peer's host
     pg = g.pg()
     hosts = {pg.peer(r)[1] for r in range(pg.size)}
-    if len(hosts) > 1 and g._world_rank == 0:
+    if len(hosts) > 1:
         _auth_warned = True
         log.warning("pyddp: this job spans %d hosts without PYDDP_AUTH_TOKEN: any machine that "
                     "can reach its ports can join it or send it data (see docs/security.md; "
