@@ -10,9 +10,9 @@
  * together, and a process whose peers seldom dial (or never: most ranks of a
  * big world link to few others) does not pay for threads at init. An
  * acceptor blocks in poll() on the socket and the pipe's read end; a
- * connection is accepted by whichever thread gets it
- * first (the others see EAGAIN), its hello read (bounded: a peer that dialed
- * sends it at once), and handed to the registration its tag and rank name,
+ * connection is accepted by whichever thread gets it first (the others see
+ * EAGAIN), its hello read (bounded: a peer that dialed sends it at once),
+ * and handed to the registration its tag and rank name,
  * which is marked busy for the call so that detach can wait for it. A hello
  * of another wire version is turned away (said once per process); one naming
  * a registration that left is refused with DDP_HELLO_GONE at once, one
