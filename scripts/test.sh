@@ -2,14 +2,15 @@
 # The README's test command: from a fresh clone on a fresh machine, make a virtual
 # environment, install pyddp with its test extras (torch 2.13.0 CPU, pytest, Lightning,
 # and the nvidia-nccl-cu13 wheel, whose nccl.h and libnccl.so.2 tests/test_nccl_real.py
-# checks pyddp against without a GPU), then run the C unit tests (under ASan/UBSan, no
-# Python) and the whole pytest suite.
+# checks pyddp against without a GPU), then run the C unit tests (no Python; under
+# ASan/UBSan, then under ThreadSanitizer) and the whole pytest suite.
 #
-# The whole suite runs in two pytest processes side by side: the tests that mostly wait
-# out detection deadlines (multi-host and in-place elastic, etcd, straggler reports,
-# exits; little CPU) in one, everything else in the other, the result-comparison tests
-# first so that the tests that time their deadlines run once the machine is quieter.
-# Each lane prints its own summary; the script fails if either fails.
+# Two lanes run side by side. The main lane is one pytest process with most of the
+# suite, the result-comparison tests first so that the tests that time their deadlines
+# run once the machine is quieter. The waiting lane runs the C unit tests, then a second
+# pytest process with the tests that mostly wait out detection deadlines (multi-host and
+# in-place elastic, etcd, straggler reports, exits; little CPU). Each lane prints its own
+# summary and its slowest tests; the script fails if either fails.
 # Usage: bash scripts/test.sh [extra pytest arguments]   (with arguments: one pytest
 # process; without a path among them the whole tests/ folder runs)
 set -euo pipefail
@@ -18,12 +19,15 @@ VENV=${PYDDP_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
-echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
-make -s -j"$(nproc)" -C tests/c check
-echo "== Python tests"
 PYTEST=("$VENV/bin/python" -m pytest -q)
-# pyproject.toml's testpaths make tests/ the default when no path is given
-if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
+C_TESTS=(make -s -j"$(nproc)" -C tests/c check tsan)
+if [ $# -gt 0 ]; then
+    echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer, then ThreadSanitizer)"
+    "${C_TESTS[@]}"
+    echo "== Python tests"
+    # pyproject.toml's testpaths make tests/ the default when no path is given
+    exec "${PYTEST[@]}" "$@"
+fi
 
 SIDE=(tests/test_elastic.py tests/test_elastic_etcd.py tests/test_etcd_store.py
       tests/test_multivm.py tests/test_elastic_inplace.py tests/test_straggler.py
@@ -40,17 +44,25 @@ for f in tests/test_*.py; do
 done
 MAIN+=(tests/gpu)
 
-# The side lane in its own process group (setsid), so that an early exit kills it and
-# every process its tests started.
+# The waiting lane in its own process group (setsid), so that an early exit kills it and
+# every process its tests started. Its C tests use about one core while the main lane's
+# first tests start their ranks; its pytest process runs whether or not they passed.
 SIDE_LOG=$(mktemp)
-setsid "${PYTEST[@]}" -p no:cacheprovider "${SIDE[@]}" >"$SIDE_LOG" 2>&1 &
+setsid bash -c 'c_rc=0; echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer, then ThreadSanitizer)"
+                "${@:2:$1}" || c_rc=$?
+                echo "== C unit tests exit $c_rc"
+                echo "== Python tests, the waiting lane"
+                py_rc=0; "${@:$(($1 + 2))}" || py_rc=$?
+                [ "$c_rc" -eq 0 ] && [ "$py_rc" -eq 0 ]' side "${#C_TESTS[@]}" "${C_TESTS[@]}" \
+    "${PYTEST[@]}" -p no:cacheprovider --durations=15 "${SIDE[@]}" >"$SIDE_LOG" 2>&1 &
 SIDE_PID=$!
 trap 'kill -- -"$SIDE_PID" 2>/dev/null || true; rm -f "$SIDE_LOG"' EXIT
+echo "== Python tests, the main lane"
 main_rc=0
-"${PYTEST[@]}" "${MAIN[@]}" || main_rc=$?
+"${PYTEST[@]}" --durations=25 "${MAIN[@]}" || main_rc=$?
 side_rc=0
 wait "$SIDE_PID" || side_rc=$?
-echo "== Python tests, the waiting lane (${SIDE[*]})"
+echo "== The waiting lane: C unit tests, then ${SIDE[*]}"
 cat "$SIDE_LOG"
-echo "== Python tests: main lane exit $main_rc, waiting lane exit $side_rc"
+echo "== Main lane exit $main_rc, waiting lane exit $side_rc"
 [ "$main_rc" -eq 0 ] && [ "$side_rc" -eq 0 ]
