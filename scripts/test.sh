@@ -9,8 +9,8 @@
 # suite, the result-comparison tests first so that the tests that time their deadlines
 # run once the machine is quieter. The waiting lane runs the C unit tests, then a second
 # pytest process with the tests that mostly wait out detection deadlines (multi-host and
-# in-place elastic, etcd, straggler reports, exits, lifetimes, authentication; little
-# CPU). Each lane prints its own summary; the script fails if either fails.
+# in-place elastic, etcd, straggler reports, exits; little CPU). Each lane prints its
+# own summary; the script fails if either fails.
 # Usage: bash scripts/test.sh [extra pytest arguments]   (with arguments: one pytest
 # process; without a path among them the whole tests/ folder runs)
 set -euo pipefail
@@ -31,7 +31,7 @@ fi
 
 SIDE=(tests/test_elastic.py tests/test_elastic_etcd.py tests/test_etcd_store.py
       tests/test_multivm.py tests/test_elastic_inplace.py tests/test_straggler.py
-      tests/test_exits.py tests/test_lifetimes.py tests/test_auth.py)
+      tests/test_exits.py)
 EARLY=(tests/test_torch_suite.py tests/test_ddp_join.py tests/test_collectives.py
        tests/test_transport.py tests/test_hier.py tests/test_ddp_numpy.py
        tests/test_ddp_parity.py tests/test_ddp_reduce_dtype.py tests/test_subgroups.py
