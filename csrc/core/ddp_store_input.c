@@ -137,16 +137,20 @@ int ddp_store_input_room(ddp_store_server *srv, ddp_store_conn *c, size_t *room)
         c->starved = 1;   /* the pool is full of complete requests: try next round */
         return 0;
     }
-    int r = ddp_wbuf_reserve_upto(&c->in, n, most);
-    rebill(srv, c, old_cap);
-    if (r < 0) return -1;
-    if (large(c->in.cap) && c->in.cap > old_cap && over(srv, 1, 0)) {
-        if (c->in.cap > srv->budget || make_room(srv, c, 1, 0) < 0) {
+    /* A buffer growing past the allowance is billed to the budget: room is
+     * made there before it grows, so the budget holds at every moment. */
+    size_t new_cap = ddp_wbuf_cap_for(&c->in, n, most);
+    if (large(new_cap) && new_cap > old_cap) {
+        size_t extra = new_cap - (large(old_cap) ? old_cap : 0);
+        if (new_cap > srv->budget || make_room(srv, c, 1, extra) < 0) {
             ddp_auth_log_reject("a store request", c->addr, "the store's budget for "
                                 "incomplete requests (PYDDP_STORE_BUFFER_BYTES) is used up");
             return -1;
         }
     }
+    int r = ddp_wbuf_reserve_upto(&c->in, n, most);
+    rebill(srv, c, old_cap);
+    if (r < 0) return -1;
     /* Whatever of the request fits in the buffer as it is: one recv may
      * fill a large buffer, but only bytes that arrived make it grow. */
     *room = c->in.cap - c->in.len;

@@ -15,6 +15,16 @@ void ddp_wbuf_free(ddp_wbuf *b) {
 
 int ddp_wbuf_reserve(ddp_wbuf *b, size_t n) { return ddp_wbuf_reserve_upto(b, n, SIZE_MAX); }
 
+size_t ddp_wbuf_cap_for(const ddp_wbuf *b, size_t n, size_t most) {
+    size_t len = b->len - b->start;   /* what stays once consumed space is reclaimed */
+    if (n <= b->cap - len) return b->cap;
+    if (n > SIZE_MAX / 2 - len) return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap - len < n) cap *= 2;
+    if (cap > most) cap = most > len + n ? most : len + n;
+    return cap;
+}
+
 int ddp_wbuf_reserve_upto(ddp_wbuf *b, size_t n, size_t most) {
     if (b->oom) return -1;
     if (n <= b->cap - b->len) return 0;
@@ -24,13 +34,11 @@ int ddp_wbuf_reserve_upto(ddp_wbuf *b, size_t n, size_t most) {
         b->start = 0;
         if (n <= b->cap - b->len) return 0;
     }
-    if (n > SIZE_MAX / 2 - b->len) {
+    size_t cap = ddp_wbuf_cap_for(b, n, most);
+    if (cap == 0) {
         b->oom = 1;
         return -1;
     }
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap - b->len < n) cap *= 2;
-    if (cap > most) cap = most > b->len + n ? most : b->len + n;
     unsigned char *p = realloc(b->p, cap);
     if (p == NULL) {
         b->oom = 1;

@@ -41,6 +41,11 @@ int ddp_wbuf_reserve(ddp_wbuf *b, size_t n);
  * bytes need, if that is more) instead of doubling past it: for a buffer
  * that is known to need no more than `most`. */
 int ddp_wbuf_reserve_upto(ddp_wbuf *b, size_t n, size_t most);
+/* The capacity ddp_wbuf_reserve_upto(b, n, most) would leave b with (its
+ * current one where the room is there, consumed space reclaimed), without
+ * changing b; 0 where the size would overflow: what a caller that bills
+ * memory checks before the buffer grows. */
+size_t ddp_wbuf_cap_for(const ddp_wbuf *b, size_t n, size_t most);
 /* Move the unconsumed bytes to the front and give back the capacity beyond
  * them (kept: the smallest power of two, at least 256, that holds them). On a
  * failed shrink the buffer stays as it was (still valid, not oom). */
