@@ -20,10 +20,13 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
 PYTEST=("$VENV/bin/python" -m pytest -q)
-C_TESTS=(make -s -j"$(nproc)" -C tests/c check tsan)
-if [ $# -gt 0 ]; then
+c_tests() {
     echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer, then ThreadSanitizer)"
-    "${C_TESTS[@]}"
+    make -s -j"$(nproc)" -C tests/c check tsan
+}
+export -f c_tests   # the waiting lane's shell below runs it too
+if [ $# -gt 0 ]; then
+    c_tests
     echo "== Python tests"
     # pyproject.toml's testpaths make tests/ the default when no path is given
     exec "${PYTEST[@]}" "$@"
@@ -48,12 +51,10 @@ MAIN+=(tests/gpu)
 # every process its tests started. Its C tests use about one core while the main lane's
 # first tests start their ranks; its pytest process runs whether or not they passed.
 SIDE_LOG=$(mktemp)
-setsid bash -c 'c_rc=0; echo "== C core unit tests (AddressSanitizer + UndefinedBehaviorSanitizer, then ThreadSanitizer)"
-                "${@:2:$1}" || c_rc=$?
-                echo "== C unit tests exit $c_rc"
+setsid bash -c 'c_rc=0; c_tests || c_rc=$?; echo "== C unit tests exit $c_rc"
                 echo "== Python tests, the waiting lane"
-                py_rc=0; "${@:$(($1 + 2))}" || py_rc=$?
-                [ "$c_rc" -eq 0 ] && [ "$py_rc" -eq 0 ]' side "${#C_TESTS[@]}" "${C_TESTS[@]}" \
+                py_rc=0; "$@" || py_rc=$?
+                [ "$c_rc" -eq 0 ] && [ "$py_rc" -eq 0 ]' side \
     "${PYTEST[@]}" -p no:cacheprovider "${SIDE[@]}" >"$SIDE_LOG" 2>&1 &
 SIDE_PID=$!
 trap 'kill -- -"$SIDE_PID" 2>/dev/null || true; rm -f "$SIDE_LOG"' EXIT
