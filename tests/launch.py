@@ -45,6 +45,16 @@ class Result:
         return self.stdout + self.stderr
 
 
+def reference_exit_abort(res, finished) -> bool:
+    """True if a reference run under torch's gloo (no pyddp code in it) failed only by
+    aborting as its processes exited ("terminate called without an active exception",
+    SIGABRT, from a C++ thread's destructor in torch) after every line in `finished` was
+    printed: a defect of the reference, not of what is tested, whose output is complete."""
+    return (res.returncode != 0
+            and "terminate called without an active exception" in res.output
+            and all(line in res.output for line in finished))
+
+
 def run(cmd, env=None, timeout=120, cwd=ROOT) -> Result:
     """Run cmd in a new session; kill its whole process group at the timeout."""
     full_env = dict(os.environ)

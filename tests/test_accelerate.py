@@ -9,13 +9,15 @@ import re
 
 import pytest
 
-from launch import torchrun
+from launch import reference_exit_abort, torchrun
 
 pytest.importorskip("accelerate")
 
 
-def _rows(res):
-    assert res.returncode == 0, res.output[-6000:]
+def _rows(res, reference=False):
+    done = [f'RESULT {{"rank": {r}, ' for r in range(2)]
+    ok = res.returncode == 0 or (reference and reference_exit_abort(res, done))
+    assert ok, res.output[-6000:]
     rows = [json.loads(m) for m in re.findall(r"^RESULT (.*)$", res.stdout, re.M)]
     assert sorted(r["rank"] for r in rows) == [0, 1], res.output[-4000:]
     return sorted(rows, key=lambda r: r["rank"])
@@ -23,12 +25,9 @@ def _rows(res):
 
 def test_accelerate_on_pyddp_matches_gloo():
     ours = _rows(torchrun("accelerate_train.py", 2, args=["pyddp"], timeout=180))
-    ref = torchrun("accelerate_train.py", 2, args=["gloo"], timeout=180)
-    if ref.returncode != 0 and "terminate called without an active exception" in ref.output:
-        # torch's gloo reference (no pyddp code loaded) now and then aborts at exit in a
-        # C++ thread's destructor; it is the reference, not what is tested: run it again
-        ref = torchrun("accelerate_train.py", 2, args=["gloo"], timeout=180)
-    gloo = _rows(ref)
+    # torch's gloo reference now and then aborts at exit, after both ranks printed
+    # their results (twice in a row under CI's load): its results still count
+    gloo = _rows(torchrun("accelerate_train.py", 2, args=["gloo"], timeout=180), reference=True)
     want = {"v": [[0.0, 10.0], [1.0, 11.0]], "i": [[0, 0], [1, 2]]}
     for o, g in zip(ours, gloo):
         assert o["backend"] == "pyddp" and g["backend"] == "gloo", (o, g)
