@@ -62,6 +62,10 @@ static const char *direction(const ddp_xfer *t) {
     return t->send ? "sending to" : "receiving from";
 }
 
+ddp_status ddp_link_direct_failed(const ddp_link *l, int send, ddp_status st) {
+    return ddp_error_prefix(st, "%s %s: ", send ? "sending to" : "receiving from", l->desc);
+}
+
 /* A receive takes the bytes its link holds back (ddp_link_unread) first. */
 static void take_held(ddp_link *l, ddp_xfer *t) {
     size_t k = t->len - t->done;
@@ -87,9 +91,7 @@ static ddp_status xfer_try(ddp_xfer *t, int *moved) {
             t->done = t->len;
             *moved = 1;
         }
-        if (st != DDP_OK)
-            ddp_error_prefix(st, "%s %s: ", direction(t), l->desc);
-        return st;
+        return st == DDP_OK ? st : ddp_link_direct_failed(l, t->send, st);
     }
     if (!t->send && l->held_len > 0) {
         take_held(l, t);
@@ -345,13 +347,13 @@ ddp_status ddp_link_direct_align(ddp_link *tx, ddp_link *rx, size_t align, ddp_w
         void *tp;
         size_t rn = 0, tn = 0;
         ddp_status st = DDP_OK;
-        if (tpad > 0 && (st = tx->ops->tx_reserve(tx, 1, &tp, &tn)) == DDP_OK && tn > 0) {
+        if (tpad > 0 && (st = ddp_link_tx_reserve(tx, 1, &tp, &tn)) == DDP_OK && tn > 0) {
             if (tn > tpad) tn = tpad;
             memset(tp, 0, tn);
             tx->ops->tx_commit(tx, tn);
             tpad -= tn;
         }
-        if (st == DDP_OK && rpad > 0 && (st = rx->ops->rx_peek(rx, 1, &rp, &rn)) == DDP_OK &&
+        if (st == DDP_OK && rpad > 0 && (st = ddp_link_rx_peek(rx, 1, &rp, &rn)) == DDP_OK &&
             rn > 0) {
             if (rn > rpad) rn = rpad;
             rx->ops->rx_consume(rx, rn);

@@ -156,14 +156,22 @@ ddp_status ddp_link_wait_direct(ddp_link *rx, size_t rmin, ddp_link *tx, size_t 
  * ops are left alone (and so are both their ends). By w. */
 ddp_status ddp_link_direct_align(ddp_link *tx, ddp_link *rx, size_t align, ddp_wait w);
 
-/* The direct-access ops of a direct link (contract at ddp_link_ops). */
+/* Prefix the error st of a direct access to l with the direction and the
+ * peer, as a transfer's failure is (the peer's description in the message is
+ * what names a lost rank); returns st. */
+ddp_status ddp_link_direct_failed(const ddp_link *l, int send, ddp_status st);
+
+/* The direct-access ops of a direct link (contract at ddp_link_ops); a
+ * failure's message names the peer (ddp_link_direct_failed). */
 static inline ddp_status ddp_link_rx_peek(ddp_link *l, size_t min, const void **p,
                                           size_t *n) {
-    return l->ops->rx_peek(l, min, p, n);
+    ddp_status st = l->ops->rx_peek(l, min, p, n);
+    return st == DDP_OK ? st : ddp_link_direct_failed(l, 0, st);
 }
 static inline void ddp_link_rx_consume(ddp_link *l, size_t k) { l->ops->rx_consume(l, k); }
 static inline ddp_status ddp_link_tx_reserve(ddp_link *l, size_t min, void **p, size_t *n) {
-    return l->ops->tx_reserve(l, min, p, n);
+    ddp_status st = l->ops->tx_reserve(l, min, p, n);
+    return st == DDP_OK ? st : ddp_link_direct_failed(l, 1, st);
 }
 static inline void ddp_link_tx_commit(ddp_link *l, size_t k) { l->ops->tx_commit(l, k); }
 

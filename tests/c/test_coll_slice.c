@@ -263,6 +263,19 @@ static void test_direct_wait(void) {
     t0 = ddp_now_ms();
     T_STATUS(ddp_link_wait_direct(l, 4, NULL, 0, ddp_wait_for(60000, NULL)), DDP_ERR_CLOSED);
     T_ASSERT(ddp_now_ms() - t0 < 5000);
+    /* the direct ops themselves name the peer that left, as the wait does */
+    char msg[512];
+    ddp_copy_error(msg, sizeof msg);
+    T_ASSERT(strstr(msg, "receiving from rank 1 (shm)"));
+    const void *rp;
+    void *tp;
+    size_t got;
+    T_STATUS(ddp_link_rx_peek(l, 4, &rp, &got), DDP_ERR_CLOSED);
+    ddp_copy_error(msg, sizeof msg);
+    T_ASSERT(strstr(msg, "receiving from rank 1 (shm): the peer closed"));
+    T_STATUS(ddp_link_tx_reserve(l, 4, &tp, &got), DDP_ERR_CLOSED);
+    ddp_copy_error(msg, sizeof msg);
+    T_ASSERT(strstr(msg, "sending to rank 1 (shm): the peer closed"));
     hworld_free(&w);
     printf("slice: direct waits (deadline, abort flag, closed peer): ok\n");
 }
