@@ -412,10 +412,11 @@ ddp_status ddp_sock_recv_some(int fd, void *buf, size_t n, size_t *done) {
     return DDP_OK;
 }
 
-/* Shared loop of send_all/recv_all: make progress, then wait one slice,
- * until n bytes moved, the deadline passes or the flag aborts. */
-static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *what,
-                           int sending) {
+/* Shared loop of send_all/recv_all/recv_atleast: make progress (up to n
+ * bytes), then wait one slice, until at least min bytes moved (*moved: how
+ * many), the deadline passes or the flag aborts. */
+static ddp_status xfer_min(int fd, void *buf, size_t min, size_t n, size_t *moved,
+                           ddp_wait w, const char *what, int sending) {
     size_t done = 0, seen = 0;
     int64_t since = 0, checked = ddp_now_ms();
     const char *verb = sending ? "send" : "receive";
@@ -424,12 +425,15 @@ static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *
         errno = 0;
         ddp_status st = sending ? ddp_sock_send_some(fd, buf, n, &done)
                                 : ddp_sock_recv_some(fd, buf, n, &done);
+        if (done >= min) { /* an error after min is left to the next call to meet */
+            *moved = done;
+            return DDP_OK;
+        }
         if (st != DDP_OK && errno == ETIMEDOUT) /* keepalive gave up: name the peer */
             st = ddp_sock_peer_dead_error(what);
         if (st != DDP_OK)
-            return ddp_error_prefix(st, "%s %zu bytes %s %s (after %zu): ", verb, n,
+            return ddp_error_prefix(st, "%s %zu bytes %s %s (after %zu): ", verb, min,
                                     sending ? "to" : "from", what, done);
-        if (done == n) return DDP_OK;
         if (done != seen) {
             seen = done;
             checked = ddp_now_ms();
@@ -437,7 +441,7 @@ static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *
             checked = ddp_now_ms();
             if (ddp_sock_peer_silent(fd, &since))
                 return ddp_error_prefix(ddp_sock_peer_dead_error(what), "%s %zu bytes %s %s "
-                                        "(after %zu): ", verb, n, sending ? "to" : "from",
+                                        "(after %zu): ", verb, min, sending ? "to" : "from",
                                         what, done);
         }
         if (ddp_wait_aborted(w))
@@ -446,19 +450,29 @@ static ddp_status xfer_all(int fd, void *buf, size_t n, ddp_wait w, const char *
         if (ddp_wait_expired(w))
             return ddp_error(DDP_ERR_TIMEOUT, "timed out trying to %s %zu bytes %s %s "
                              "(%zu done); the peer may be stuck, overloaded or gone",
-                             verb, n, sending ? "to" : "from", what, done);
+                             verb, min, sending ? "to" : "from", what, done);
         poll_slice(fd, sending ? POLLOUT : POLLIN, w);
     }
 }
 
 ddp_status ddp_sock_send_all(int fd, const void *buf, size_t n, ddp_wait w,
                              const char *what) {
-    return xfer_all(fd, (void *)buf, n, w, what, 1);
+    size_t moved;
+    return xfer_min(fd, (void *)buf, n, n, &moved, w, what, 1);
 }
 
 ddp_status ddp_sock_recv_all(int fd, void *buf, size_t n, ddp_wait w,
                              const char *what) {
-    return xfer_all(fd, buf, n, w, what, 0);
+    size_t moved;
+    return xfer_min(fd, buf, n, n, &moved, w, what, 0);
+}
+
+ddp_status ddp_sock_recv_atleast(int fd, void *buf, size_t min, size_t cap, size_t *got,
+                                 ddp_wait w, const char *what) {
+    *got = 0;
+    if (min > cap) return ddp_error(DDP_ERR_INTERNAL, "receiving at least %zu bytes into "
+                                    "%zu", min, cap);
+    return xfer_min(fd, buf, min, cap, got, w, what, 0);
 }
 
 /* ---- local addresses --------------------------------------------------- */

@@ -63,6 +63,13 @@ ddp_status ddp_sock_send_all(int fd, const void *buf, size_t n, ddp_wait w,
 ddp_status ddp_sock_recv_all(int fd, void *buf, size_t n, ddp_wait w,
                              const char *what);
 
+/* Receive at least min and at most cap bytes (min <= cap) into buf: whatever
+ * the kernel holds once min have arrived, so that a reader of many small
+ * messages makes one system call where it would make one per message. *got
+ * is how many; waits and fails as ddp_sock_recv_all does. */
+ddp_status ddp_sock_recv_atleast(int fd, void *buf, size_t min, size_t cap, size_t *got,
+                                 ddp_wait w, const char *what);
+
 /* Non-blocking progress: move as many bytes as the kernel takes now.
  * *done is advanced. Returns DDP_OK (possibly with no progress),
  * DDP_ERR_CLOSED on EOF/reset, DDP_ERR_SYS otherwise. When the kernel gave

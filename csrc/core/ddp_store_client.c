@@ -39,6 +39,10 @@
 #define DDP_STORE_GRACE_MS 30000
 #define AUTH_REPLY_MS 10000        /* a server's answer to the authentication request */
 #define DDP_STORE_PROBE_KEYS 64    /* keys of a timed-out WAIT probed to name the missing one */
+/* Replies are read through a buffer of this size: a MULTI_GET of N values is
+ * 2N fields, read with a few system calls instead of 2N. Larger fields go
+ * straight to their destination. */
+#define RBUF_BYTES (64u << 10)
 
 typedef struct tcp {
     atomic_int closed;      /* ddp_store_close was called: every request fails */
@@ -48,6 +52,11 @@ typedef struct tcp {
     char broken_msg[1024];
     char peer[DDP_ADDR_MAX + 16];
     ddp_wbuf req;
+    /* Bytes received and not yet consumed: rbuf[rpos..rlen) (under mu). Only
+     * replies the client asked for arrive, one request in flight, so what is
+     * read ahead is always the rest of the current reply. */
+    size_t rpos, rlen;
+    unsigned char rbuf[RBUF_BYTES];
 } tcp;
 
 /* The error of a request on a closed client. */
@@ -126,8 +135,32 @@ static ddp_status send_req(tcp *s, ddp_wait w) {
     return st == DDP_OK ? st : io_fail(s, st);
 }
 
+/* Receive exactly n bytes of the reply into buf by w: first those read
+ * ahead, then from the socket (n or more when n is small: the surplus stays
+ * read ahead). Failures are the socket layer's; the stream is not marked
+ * broken (recv_exact does that). */
+static ddp_status recv_buffered(tcp *s, void *buf, size_t n, ddp_wait w) {
+    unsigned char *p = buf;
+    size_t k = s->rlen - s->rpos;
+    if (k > n) k = n;
+    memcpy(p, s->rbuf + s->rpos, k);
+    s->rpos += k;
+    if (k == n) return DDP_OK;
+    p += k;
+    n -= k;
+    s->rpos = s->rlen = 0;
+    if (n >= RBUF_BYTES / 2) return ddp_sock_recv_all(s->fd, p, n, w, s->peer);
+    size_t got = 0;
+    ddp_status st = ddp_sock_recv_atleast(s->fd, s->rbuf, n, RBUF_BYTES, &got, w, s->peer);
+    if (st != DDP_OK) return st;
+    memcpy(p, s->rbuf, n);
+    s->rpos = n;
+    s->rlen = got;
+    return DDP_OK;
+}
+
 static ddp_status recv_exact(tcp *s, void *buf, size_t n, ddp_wait w) {
-    ddp_status st = ddp_sock_recv_all(s->fd, buf, n, w, s->peer);
+    ddp_status st = recv_buffered(s, buf, n, w);
     return st == DDP_OK ? st : io_fail(s, st);
 }
 
@@ -175,7 +208,7 @@ static ddp_status authenticate(tcp *s, const ddp_auth *a, ddp_wait w) {
     ddp_status st = ddp_auth_nonce(req + 5);
     if (st != DDP_OK) return st;
     st = ddp_sock_send_all(s->fd, req, sizeof req, w, s->peer);
-    if (st == DDP_OK) st = ddp_sock_recv_all(s->fd, rep, 1, w, s->peer);
+    if (st == DDP_OK) st = recv_buffered(s, rep, 1, w);
     if (st != DDP_OK) return st;
     if (rep[0] == 1)
         return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it is "
@@ -184,7 +217,7 @@ static ddp_status authenticate(tcp *s, const ddp_auth *a, ddp_wait w) {
     if (rep[0] != 0)
         return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
                          "answered %u", s->peer, rep[0]);
-    st = ddp_sock_recv_all(s->fd, rep + 1, sizeof rep - 1, w, s->peer);
+    st = recv_buffered(s, rep + 1, sizeof rep - 1, w);
     if (st == DDP_ERR_CLOSED || st == DDP_ERR_SYS)
         return ddp_error(DDP_ERR_AUTH, "authentication failed with the store at %s: it "
                          "closed the connection during the exchange", s->peer);
@@ -227,6 +260,7 @@ ddp_status ddp_store_connect_auth(const char *host, int port, int mode,
      * the handshake. */
     int with_auth = key != NULL && mode == DDP_STORE_AUTH_REQUIRE;
 again:
+    s->rpos = s->rlen = 0;
     DDP_CHECK(ddp_sock_connect(host, port, w, &s->fd), fail_noconn);
     if (with_auth) {
         ddp_wait aw = ddp_wait_for(AUTH_REPLY_MS, w.abort);   /* pyddp answers at once */
@@ -418,7 +452,7 @@ static ddp_status wait_locked(tcp *s, const char *const *keys,
     uint8_t r;
     ddp_status st = send_req(s, w);
     if (st != DDP_OK) return st;
-    st = ddp_sock_recv_all(s->fd, &r, 1, w, s->peer);
+    st = recv_buffered(s, &r, 1, w);
     if (st == DDP_OK)
         return r == DDP_WAIT_STOP_WAITING ? DDP_OK
                : io_fail(s, ddp_error(DDP_ERR_PROTOCOL, "unexpected reply %u to WAIT", r));

@@ -4,7 +4,8 @@
  * closing a client while other threads, holding their own references, are
  * blocked in requests on it; DDP_ERR_STORE for garbage, a lost connection or
  * a closed client; the server's request counter growing by exactly the
- * requests made. Raw connections that misbehave are test_store_raw.c's. */
+ * requests made; a MULTI_GET of hundreds of values of every size around the
+ * client's read buffer. Raw connections that misbehave are test_store_raw.c's. */
 #include <pthread.h>
 #include <string.h>
 #include <unistd.h>
@@ -378,6 +379,49 @@ static void test_request_count(void) {
     ddp_store_server_stop(srv);
 }
 
+/* A MULTI_GET whose reply is many values of sizes on both sides of the
+ * client's read buffer (64 KiB; fields of 32 KiB and more bypass it) and of
+ * its refills: every value byte for byte, in the keys' order, and the
+ * requests after it answered in step (nothing read ahead is left over). */
+static void test_multi_get_sizes(void) {
+    static const size_t sizes[] = {0, 1, 7, 136, 4096, 32767, 32768, 65535, 65536, 70001,
+                                   200000};
+    enum { NKEYS = 600 };
+    ddp_store *s = client();
+    char names[NKEYS][24];
+    const char *keys[NKEYS];
+    size_t klens[NKEYS], vlens[NKEYS];
+    void *vals[NKEYS];
+    unsigned char *src = malloc(200000);
+    T_ASSERT(src);
+    for (int i = 0; i < NKEYS; i++) {
+        size_t n = sizes[(size_t)i % (sizeof sizes / sizeof *sizes)];
+        if (i >= 22) n = i % 3 ? 136 : n % 5000;   /* then mostly small, like a rendezvous */
+        for (size_t b = 0; b < n; b++) src[b] = (unsigned char)(i * 31 + b * 7);
+        snprintf(names[i], sizeof names[i], "/mg/%d", i);
+        keys[i] = names[i];
+        klens[i] = strlen(names[i]);
+        T_OK(ddp_store_set(s, keys[i], klens[i], src, n, W(5000)));
+        vlens[i] = n;
+    }
+    size_t want[NKEYS];
+    memcpy(want, vlens, sizeof want);
+    T_OK(ddp_store_multi_get(s, keys, klens, NKEYS, vals, vlens, W(10000)));
+    for (int i = 0; i < NKEYS; i++) {
+        T_ASSERT(vlens[i] == want[i]);
+        for (size_t b = 0; b < want[i]; b++)
+            T_ASSERT(((unsigned char *)vals[i])[b] == (unsigned char)(i * 31 + b * 7));
+        free(vals[i]);
+    }
+    int64_t r;
+    T_OK(ddp_store_add(s, K("/mg/after"), 41, &r, W(5000)));
+    T_ASSERT(r == 41);
+    expect_value(s, "/mg/after", "41");
+    free(src);
+    ddp_store_close(s);
+    printf("multi_get of %d values from 0 to 200000 bytes: ok\n", NKEYS);
+}
+
 int main(void) {
     ddp_store_server *srv;
     T_OK(ddp_store_server_start("127.0.0.1", 0, &srv, &g_port));
@@ -390,6 +434,7 @@ int main(void) {
     test_garbage_is_a_store_error();
     test_connect_failures();
     test_request_count();
+    test_multi_get_sizes();
     /* Stopping with a client still connected: the client then sees a
      * closed connection, not a hang. */
     ddp_store *s = client();
