@@ -128,22 +128,26 @@ ddp_status ddp_coll_validate(const ddp_group *g, const ddp_coll_args *a) {
     return a->count > 0 ? check_buffers(g, a) : DDP_OK;
 }
 
-ddp_status ddp_group_need(ddp_group *g, int p, ddp_wait w) {
+static ddp_status need(ddp_group *g, int p, int mutual, ddp_wait w) {
     if (p < 0 || p >= g->size || p == g->rank || g->links[p]) return DDP_OK;
     ddp_link *l = NULL;
     ddp_status st;
     if (g->parent) {
         const int q = g->parent_rank[p];
-        st = ddp_group_need(g->parent, q, w);
+        st = need(g->parent, q, mutual, w);
         l = g->parent->links[q];
     } else if (g->connect) {
-        st = g->connect(g->connect_ctx, p, w, &l);
+        st = g->connect(g->connect_ctx, p, mutual, w, &l);
     } else {
         st = ddp_error(DDP_ERR_INTERNAL, "rank %d has no link to rank %d", g->rank, p);
     }
     if (st == DDP_OK) g->links[p] = l;
     return st;
 }
+
+ddp_status ddp_group_need(ddp_group *g, int p, ddp_wait w) { return need(g, p, 0, w); }
+
+ddp_status ddp_group_need_mutual(ddp_group *g, int p, ddp_wait w) { return need(g, p, 1, w); }
 
 ddp_status ddp_coll_scratch(ddp_group *g, size_t n, void **out) {
     if (n > g->scratch_len) {

@@ -104,8 +104,8 @@ typedef struct ddp_group {
     /* How a missing link is made (ddp_group_need): through connect (a
      * communicator's groups), or as parent's link to parent_rank[p] (a view
      * over some of parent's ranks, e.g. the hierarchical algorithms'); with
-     * neither, every link must be there. */
-    ddp_status (*connect)(void *ctx, int p, ddp_wait w, ddp_link **out);
+     * neither, every link must be there. mutual: see ddp_group_need_mutual. */
+    ddp_status (*connect)(void *ctx, int p, int mutual, ddp_wait w, ddp_link **out);
     void *connect_ctx;
     struct ddp_group *parent;
     const int *parent_rank;
@@ -132,6 +132,16 @@ typedef struct ddp_group {
  * parent's link, when missing), by w. DDP_OK at once for p == g->rank or a
  * link already made; otherwise the failure names the peer. */
 ddp_status ddp_group_need(ddp_group *g, int p, ddp_wait w);
+
+/* ddp_group_need for a link that p needs at the same step of the same
+ * algorithm (both ends of a symmetric exchange): where p's own dial would be
+ * the one kept (ddp_comm_link.c), it is given a short grace to arrive
+ * before this rank dials too, so that the pair makes one connection instead
+ * of two of which one is refused. Bounded by that grace: a peer that never
+ * dials (dead, or in another call) is dialed afterwards as by
+ * ddp_group_need, and named as then. Algorithms whose ranks each need some
+ * peers first should need their lower-ranked peers first. */
+ddp_status ddp_group_need_mutual(ddp_group *g, int p, ddp_wait w);
 
 /* Bandwidth-path algorithm choice (PYDDP_ALGO). */
 #define DDP_ALGO_AUTO 0

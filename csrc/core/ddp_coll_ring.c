@@ -40,9 +40,12 @@ typedef struct ring_rs {
     char *rtmp; /* one chunk: where received partial sums land */
 } ring_rs;
 
+/* The previous rank first: it is the lower one but for rank 0, so every rank
+ * dials its predecessor at once and then finds its successor's dial (see
+ * ddp_group_need_mutual). */
 ddp_status ddp_coll_ring_need(ddp_group *g, ddp_wait w) {
-    ddp_status st = ddp_group_need(g, ring_mod(g->rank + 1, g->size), w);
-    return st == DDP_OK ? ddp_group_need(g, ring_mod(g->rank - 1, g->size), w) : st;
+    ddp_status st = ddp_group_need_mutual(g, ring_mod(g->rank - 1, g->size), w);
+    return st == DDP_OK ? ddp_group_need_mutual(g, ring_mod(g->rank + 1, g->size), w) : st;
 }
 
 static ddp_status ring_reduce_scatter(ddp_group *g, const ring_rs *p, ddp_wait w) {

@@ -22,8 +22,9 @@ static int chain_rank(int pos, int root, int n) { return (pos + root) % n; }
 /* The links to this rank's neighbours on the chain (made if missing). */
 static ddp_status chain_need(ddp_group *g, int pos, int root, ddp_wait w) {
     const int n = g->size;
-    ddp_status st = pos > 0 ? ddp_group_need(g, chain_rank(pos - 1, root, n), w) : DDP_OK;
-    return st == DDP_OK && pos < n - 1 ? ddp_group_need(g, chain_rank(pos + 1, root, n), w) : st;
+    ddp_status st = pos > 0 ? ddp_group_need_mutual(g, chain_rank(pos - 1, root, n), w) : DDP_OK;
+    return st == DDP_OK && pos < n - 1 ? ddp_group_need_mutual(g, chain_rank(pos + 1, root, n), w)
+                                       : st;
 }
 
 ddp_status ddp_coll_chain_broadcast(ddp_group *g, const ddp_coll_args *a, ddp_wait w) {

@@ -52,7 +52,8 @@ static unsigned char *acc_of(tree *t, int i) { return t->msg[i] + t->hb; }
 static ddp_status step(tree *t, int to, int from, ddp_wait w) {
     ddp_group *g = t->g;
     ddp_status st;
-    if ((st = ddp_group_need(g, to, w)) != DDP_OK || (st = ddp_group_need(g, from, w)) != DDP_OK)
+    if ((st = ddp_group_need_mutual(g, to, w)) != DDP_OK ||
+        (st = ddp_group_need_mutual(g, from, w)) != DDP_OK)
         return st;
     ddp_xfer x[2];
     int n = 0;

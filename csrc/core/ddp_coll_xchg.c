@@ -293,7 +293,7 @@ ddp_status ddp_coll_exchange(ddp_group *g, const ddp_coll_hdr *h, const ddp_coll
     for (int p = 0; p < n; p++) {
         if (p == me || (x->peer >= 0 && p != x->peer)) continue;
         if (nbr && p != next && p != prev) continue;
-        if ((st = ddp_group_need(g, p, w)) != DDP_OK) return st;
+        if ((st = ddp_group_need_mutual(g, p, w)) != DDP_OK) return st;   /* lower first */
         unsigned char *msg = per_dest ? stage + (size_t)p * stage_len : stage;
         size_t sbytes = x->sto < 0 || x->sto == p ? x->sbytes : 0;
         size_t rbytes = x->rfrom < 0 || x->rfrom == p ? x->rbytes : 0;

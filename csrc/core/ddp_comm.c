@@ -67,13 +67,17 @@ const char *ddp_comm_transport(ddp_comm *c, int r) {
     return name;
 }
 
-int ddp_comm_links_made(ddp_comm *c) {
-    ddp_comm *root = c->root;
+/* A counter of root (one of its fields), read under its mutex. */
+static int root_counter(ddp_comm *root, const int *field) {
     pthread_mutex_lock(&root->mu);
-    int n = root->nlinks;
+    int n = *field;
     pthread_mutex_unlock(&root->mu);
     return n;
 }
+
+int ddp_comm_links_made(ddp_comm *c) { return root_counter(c->root, &c->root->nlinks); }
+
+int ddp_comm_dials_refused(ddp_comm *c) { return root_counter(c->root, &c->root->dials_refused); }
 
 const char *ddp_comm_host_id(const ddp_comm *c, int r) {
     return c->root->host_ids[ddp_comm_world_rank(c, r)];

@@ -86,6 +86,7 @@ struct ddp_comm {
     pthread_cond_t link_cv;/* signalled under mu when a slot changes or the comm breaks */
     atomic_int acceptor_stop; /* set at destroy: serving a peer's connection gives up */
     int nlinks;            /* links made so far (mu) */
+    int dials_refused;     /* this rank's dials answered DDP_HELLO_DUPLICATE (mu) */
 };
 
 /* What a root knows of its link to one peer (slot[], under mu). */
@@ -169,7 +170,8 @@ ddp_status ddp_comm_links_start(ddp_comm *c);
 void ddp_comm_links_stop(ddp_comm *c);
 /* The connect hook of every group over root c (ddp_group.connect): the link
  * to the group's rank p of communicator ctx (a root or a subgroup), made now
- * if nobody made it yet; by w. Thread-safe. */
-ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out);
+ * if nobody made it yet, or (mutual, p the higher world rank) first awaited
+ * for a grace as p's dial; by w. Thread-safe. */
+ddp_status ddp_comm_connect(void *ctx, int p, int mutual, ddp_wait w, ddp_link **out);
 
 #endif

@@ -20,6 +20,11 @@
  * answers that peer's connection with DDP_HELLO_DUPLICATE, and so does one
  * that already has (or is completing) a link to the peer. A rank whose dial
  * is answered so waits for the peer's connection through its own acceptor.
+ * So that the pair does not make that refused connection at all where both
+ * ends need the link at the same step (ddp_group_need_mutual: the doubling,
+ * ring and exchange algorithms), the lower rank first waits up to
+ * MUTUAL_GRACE_MS for the higher one's dial and dials only if none came: at
+ * 1,024 ranks a third of the dials of the first collective were refused.
  * Every decision is made under the root's mutex from the peer's slot
  * (DDP_SLOT_*), so the two ends always end up with the same connection.
  *
@@ -43,6 +48,12 @@
 /* A dial that gets no connection in this long fails (a blocked port, a dead
  * host), however far the collective's deadline is. */
 #define DIAL_MS 20000
+/* How long the lower rank of a pair that both need their link now waits for
+ * the higher one's dial before it dials too: the peer is at the same step
+ * of the same collective, usually within microseconds on one host and a
+ * round trip across hosts; a peer that never dials (dead, or in another
+ * call) is found out by this rank's own dial this much later. */
+#define MUTUAL_GRACE_MS 200
 /* Bound on each step the acceptor waits for a dialing peer (the hello, the
  * handshake, the shared-memory exchange): the dialer is at it right now. */
 #define ACCEPT_STEP_MS 10000
@@ -149,10 +160,12 @@ static ddp_status dial(ddp_comm *c, int p, ddp_wait w, ddp_link **out, int *dup)
     return DDP_OK;
 }
 
-ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out) {
+ddp_status ddp_comm_connect(void *ctx, int p, int mutual, ddp_wait w, ddp_link **out) {
     ddp_comm *g = ctx, *c = g->root;
     const int q = ddp_comm_world_rank(g, p);
     ddp_status st = DDP_OK;
+    /* Until then (mutual, q's dial would be kept) a free slot is q's to take. */
+    const int64_t grace_end = mutual && q > c->rank ? ddp_now_ms() + MUTUAL_GRACE_MS : 0;
     *out = NULL;
     pthread_mutex_lock(&c->mu);
     for (;;) {
@@ -174,7 +187,8 @@ ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out) {
                            c->desc[q], c->slot_err);
             break;
         }
-        if (s == DDP_SLOT_NONE) {
+        const int grace = s == DDP_SLOT_NONE && grace_end && ddp_now_ms() < grace_end;
+        if (s == DDP_SLOT_NONE && !grace) {
             c->slot[q] = DDP_SLOT_DIALING;
             pthread_mutex_unlock(&c->mu);
             ddp_link *l = NULL;
@@ -191,10 +205,12 @@ ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out) {
                 break;
             }
             if (c->slot[q] == DDP_SLOT_DIALING) c->slot[q] = DDP_SLOT_WAITING;
+            c->dials_refused++;
             st = DDP_OK;
             continue;
         }
-        /* Someone is making it: this rank's other thread, or the acceptor. */
+        /* Someone is making it (this rank's other thread, or the acceptor), or
+         * in the grace the peer is expected to. */
         if (ddp_wait_aborted(w)) {
             st = ddp_error(DDP_ERR_ABORTED, "rank %d: aborted while waiting for %s to connect",
                            c->rank, c->desc[q]);
@@ -215,7 +231,9 @@ ddp_status ddp_comm_connect(void *ctx, int p, ddp_wait w, ddp_link **out) {
                 break;
             }
         }
-        ddp_wait_cond(&c->link_cv, &c->mu, w);
+        ddp_wait cw = w;
+        if (grace && cw.deadline_ms > grace_end) cw.deadline_ms = grace_end;
+        ddp_wait_cond(&c->link_cv, &c->mu, cw);
     }
     pthread_mutex_unlock(&c->mu);
     return st;

@@ -484,6 +484,48 @@ static void run_impostor(int port, const char *prefix) {
     ddp_store_release(st);
 }
 
+/* Rank 0's member table as every rank reads it (text: "ok <n> <hosts>", the
+ * hosts, then "<addr> <port> <host index>" per rank): each rank's line as
+ * dialing reads it; a malformed entry fails with the rank it is for. */
+static void test_read_table(void) {
+    ddp_comm c = {.rank = 1, .size = 3};
+    char *lines[3] = {0};
+    c.lines = lines;
+    char good[] = "ok 3 2\nhnode-a\nh\n10.0.0.1 29500 0\n::1 7 1\nbox.example 65535 0";
+    T_OK(ddp_comm_read_table(&c, good));
+    T_ASSERT(strcmp(lines[0], "addr=10.0.0.1;port=29500;host=node-a") == 0);
+    T_ASSERT(strcmp(lines[1], "addr=::1;port=7;host=") == 0);
+    T_ASSERT(strcmp(lines[2], "addr=box.example;port=65535;host=node-a") == 0);
+    char addr[64], port[16];
+    ddp_comm_line_field(lines[2], "port", port, sizeof port);
+    ddp_comm_line_field(lines[1], "addr", addr, sizeof addr);
+    T_ASSERT(strcmp(port, "65535") == 0 && strcmp(addr, "::1") == 0);
+    const char *bad[] = {
+        "ok 3 1\nhh\na 1 0\nb 2 0",            /* rank 2's entry missing */
+        "ok 3 1\nhh\na 1 0\nb 2 1\nc 3 0",    /* host index out of range */
+        "ok 3 1\nhh\na 1 0\nb 65536 0\nc 3 0",/* port out of range */
+        "ok 3 1\nhh\na 1 0\nb -2 0\nc 3 0",   /* negative port */
+        "ok 3 1\nhh\na 1 0\nb 2 0 x\nc 3 0",  /* trailing field */
+        "ok 3 1\nhh\na 1 0\nb 2\nc 3 0",      /* missing field */
+        "ok 3 1\nhh\na 1 0\n 2 0\nc 3 0",     /* empty address */
+    };
+    const int want_rank[] = {2, 1, 1, 1, 1, 1, 1};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char tab[128], want[64];
+        snprintf(tab, sizeof tab, "%s", bad[i]);
+        for (int r = 0; r < 3; r++) free(lines[r]), lines[r] = NULL;
+        T_STATUS(ddp_comm_read_table(&c, tab), DDP_ERR_PROTOCOL);
+        snprintf(want, sizeof want, "rank %d's entry", want_rank[i]);
+        T_ASSERT(strstr(ddp_last_error(), want) != NULL);
+    }
+    char err[64];
+    snprintf(err, sizeof err, "error %d\nrank 0: something went wrong", (int)DDP_ERR_VERSION);
+    T_STATUS(ddp_comm_read_table(&c, err), DDP_ERR_VERSION);
+    T_ASSERT(strcmp(ddp_last_error(), "rank 0: something went wrong") == 0);
+    for (int r = 0; r < 3; r++) free(lines[r]);
+    printf("comm: the member table's entries, good and malformed\n");
+}
+
 int main(void) {
     ddp_store_server *srv;
     int port;
@@ -492,6 +534,7 @@ int main(void) {
     char prefix[64];
     int gen = 0;
     test_pg_optional_ops();
+    test_read_table();
 
     for (int n = 1; n <= MAXR; n++) {
         snprintf(prefix, sizeof prefix, "/test/%d", gen++);
