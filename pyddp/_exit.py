@@ -85,7 +85,7 @@ def quiesce():
     _C.completion_park(QUIESCE_S)
     for g in _mine():
         w = g._watcher
-        if w is not None and w.group is g:
+        if w is not None and w.group_ref() is g:
             w.stop(join_s=QUIESCE_S)
 
 

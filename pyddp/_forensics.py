@@ -186,7 +186,7 @@ class Watcher:
         """torch_rendezvous: group is torch's "pyddp" backend's, over the store torch's
         rendezvous made (hosted by rank 0's process unless torchrun's agent hosts it)."""
         st = group._store
-        self.group = group
+        self.group_ref = weakref.ref(group)   # weakly: see _pg
         self.rank = group._world_rank
         self.prefix = f"{group._prefix}/stall"
         # This process hosts the store: pyddp's own server here, or torch's rendezvous
@@ -201,6 +201,11 @@ class Watcher:
         self._store = st
         self._thread = _bgthread.BackgroundThread(self._run, "pyddp-watcher")
 
+    def _pg(self):
+        """The group's communicator; None once destroyed or gone (held weakly: see join)."""
+        g = self.group_ref()
+        return g._pg if g is not None else None
+
     def _connect(self):
         """On the watcher's thread once the group's first collective started, so that
         init never waits for it: open the two store connections and arm the group's
@@ -209,6 +214,8 @@ class Watcher:
         warning: the job goes on without forensics). Until this returns, a timeout or
         failure is not announced and an error gets no straggler summary."""
         conns = []
+        if self._stop:
+            return False
         try:
             # Connect with time to spare: torch's TCPStore servers (torchrun's agent
             # store) now and then take 5 s to answer a new connection. Only the
@@ -223,7 +230,7 @@ class Watcher:
                     "pyddp: rank %d: no straggler watcher (%s)", self.rank, e)
             return False
         with self._lock:
-            pg = self.group._pg
+            pg = self._pg()
             if self._stop or pg is None:
                 _close(conns)
                 return False
@@ -236,7 +243,7 @@ class Watcher:
         # collective, the first thing that can time out: init_process_group of many
         # ranks on few cores is then not slowed by every rank's two connections.
         while not self._stop:
-            pg = self.group._pg
+            pg = self._pg()
             if pg is None or pg.wait_used(1000):
                 break
         self._waiting = False
@@ -267,7 +274,9 @@ class Watcher:
                           f"this rank's state:\n{self.text(rep)}", file=sys.stderr, flush=True)
                 if self.rank in announcers and what not in dumped:
                     dumped.add(what)
-                    print_flight_record(self.group)
+                    g = self.group_ref()
+                    if g is not None:
+                        print_flight_record(g)
             except Exception:  # noqa: BLE001 - best effort: never disturb the job
                 pass
             i += 1
@@ -293,7 +302,7 @@ class Watcher:
             p = g._pg.progress()
             prog = {"submitted": p["submitted"], "completed": p["completed"],
                     "last_done": p["last_done"]}
-        fr = self.group._pg.flight_record() if self.group._pg is not None else []
+        fr = pg.flight_record() if (pg := self._pg()) is not None else []
         return {"rank": self.rank, "pid": os.getpid(), "progress": prog, "flight": fr[-8:],
                 "stacks": stacks(skip_ident=threading.get_ident())}
 
@@ -311,15 +320,20 @@ class Watcher:
         return "\n".join(lines)
 
     def stop(self, join_s=None):
-        """End the watcher: close its store connections (its thread's WAIT then fails
-        and the thread returns); with join_s, wait that long for the thread, unless it
-        is still waiting for the group's first collective (it holds no connection then,
-        and returns once the group is destroyed or within a second)."""
+        """End the watcher: close its store connections (its thread's WAIT then fails and
+        it returns; it opens none from now on); with join_s, wait that long for the
+        thread, unless it still waits for the group's first collective (it returns once
+        the group is destroyed: join() after that)."""
         with self._lock:
             self._stop = True
             _close((self._watch, self.reports))
-        if join_s is not None and not self._waiting and not self._thread.is_current():
-            self._thread.join(join_s)
+        if join_s is not None and not self._waiting:
+            self.join(join_s)
+
+    def join(self, join_s):
+        """Wait up to join_s for the stopped watcher's thread to return; whether it did
+        (it holds the group only weakly: a thread past join_s keeps nothing alive)."""
+        return self._thread.is_current() or self._thread.join(join_s)
 
 
 def _close(stores):

@@ -149,13 +149,16 @@ class Group:
     def _destroy(self):
         pg, self._pg = self._pg, None
         w, self._watcher = self._watcher, None
-        if w is not None and w.group is self:
-            # Its thread holds this group until it returns, which it does as soon as
-            # its store connections close: wait for that (bounded), so that nothing of
-            # the group outlives destroy_process_group.
-            w.stop(join_s=_forensics.STOP_S)
+        if w is not None and w.group_ref() is not self:
+            w = None   # a subgroup: the watcher is its world group's
+        if w is not None:
+            w.stop()   # closes its store connections: a WAIT on them fails at once
         if pg is not None:
-            pg.destroy()
+            pg.destroy()   # wakes a thread still waiting for the first collective
+        if w is not None:
+            # Its thread returns once it sees either (a bounded wait), so that no
+            # thread of the group outlives destroy_process_group.
+            w.join(_forensics.STOP_S)
 
 
 def _fnv(s):

@@ -103,6 +103,37 @@ def test_dump_flight_record_and_signal(tmp_path):
     assert "broadcast #71" in r.stderr and "int32" in r.stderr, r.stderr
 
 
+def test_destroy_frees_the_group_while_the_watcher_still_connects(tmp_path):
+    """The watcher's thread connects to the store once the first collective starts; a
+    store slow to answer (torch's agent store now and then takes 5 s) must not keep the
+    destroyed group alive: destroy waits a bounded time, and the group is gone after it
+    however far the thread got."""
+    from launch import spawn_ranks
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import gc, time, weakref, numpy as np, pyddp\n"
+        "from pyddp import _forensics, _world\n"
+        "pyddp.init_process_group('cpu')\n"
+        "g = weakref.ref(_world._State.pg)\n"
+        "st = _world._State.pg._store\n"
+        "clone = type(st).clone\n"
+        "def slow(self, *a, **k):\n"
+        "    time.sleep(4)\n"
+        "    return clone(self, *a, **k)\n"
+        "type(st).clone = slow\n"
+        "pyddp.all_reduce(np.ones(3))\n"
+        "time.sleep(0.3)   # the watcher's thread is in the slow connect now\n"
+        "t0 = time.monotonic()\n"
+        "pyddp.destroy_process_group()\n"
+        "took = time.monotonic() - t0\n"
+        "gc.collect()\n"
+        "print('DESTROY', round(took, 2), 'ALIVE', g() is not None, flush=True)\n"
+        "assert took < _forensics.STOP_S + 1.5 and g() is None\n"
+        "print('DONE', flush=True)\n")
+    for r in spawn_ranks(str(script), 2, timeout=60):
+        assert r.returncode == 0 and "DONE" in r.stdout, r.stdout + r.stderr
+
+
 def test_troubleshooting_example_matches_the_report_format():
     """docs/troubleshooting.md quotes a report from this test's run: its fixed parts
     must still be what pyddp/_forensics.py writes."""
