@@ -102,6 +102,10 @@ int ddp_sock_peer_silent(int fd, int64_t *since);
  * what: e.g. "rank 1 at 10.0.0.7" or "the store at 10.0.0.1:23456". */
 ddp_status ddp_sock_peer_dead_error(const char *what);
 
+/* socket() that returns a non-blocking, close-on-exec descriptor or -1
+ * (errno set). */
+int ddp_sock_open(int family, int type, int proto);
+
 /* Set SO_SNDBUF and SO_RCVBUF (best effort). */
 void ddp_sock_set_bufsize(int fd, int bytes);
 
