@@ -67,17 +67,22 @@ const char *ddp_comm_transport(ddp_comm *c, int r) {
     return name;
 }
 
-/* A counter of root (one of its fields), read under its mutex. */
-static int root_counter(ddp_comm *root, const int *field) {
+int ddp_comm_links_made(ddp_comm *c) {
+    ddp_comm *root = c->root;
     pthread_mutex_lock(&root->mu);
-    int n = *field;
+    int n = root->nlinks;
     pthread_mutex_unlock(&root->mu);
     return n;
 }
 
-int ddp_comm_links_made(ddp_comm *c) { return root_counter(c->root, &c->root->nlinks); }
-
-int ddp_comm_dials_refused(ddp_comm *c) { return root_counter(c->root, &c->root->dials_refused); }
+int ddp_comm_dials(ddp_comm *c, int *refused) {
+    ddp_comm *root = c->root;
+    pthread_mutex_lock(&root->mu);
+    int n = root->dials;
+    *refused = root->dials_refused;
+    pthread_mutex_unlock(&root->mu);
+    return n;
+}
 
 const char *ddp_comm_host_id(const ddp_comm *c, int r) {
     return c->root->host_ids[ddp_comm_world_rank(c, r)];

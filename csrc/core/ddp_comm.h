@@ -113,10 +113,11 @@ const char *ddp_comm_transport(ddp_comm *c, int r);
  * its groups): links are made on first use, so this is the number of peers
  * its collectives have talked to. */
 int ddp_comm_links_made(ddp_comm *c);
-/* How many of the connections c's communicator dialed were refused because
- * the peer dialed this rank at the same time and its connection was kept:
- * work spent for nothing, which ddp_group_need_mutual keeps rare. */
-int ddp_comm_dials_refused(ddp_comm *c);
+/* How many connections c's communicator has dialed (the first of each link
+ * it dialed, whatever became of it); *refused: how many of those the peer
+ * refused because it dialed this rank at the same time and its connection
+ * was kept, work spent for nothing that ddp_group_need_mutual keeps rare. */
+int ddp_comm_dials(ddp_comm *c, int *refused);
 /* Host identity string of rank r, as published at rendezvous. */
 const char *ddp_comm_host_id(const ddp_comm *c, int r);
 

@@ -86,7 +86,7 @@ struct ddp_comm {
     pthread_cond_t link_cv;/* signalled under mu when a slot changes or the comm breaks */
     atomic_int acceptor_stop; /* set at destroy: serving a peer's connection gives up */
     int nlinks;            /* links made so far (mu) */
-    int dials_refused;     /* this rank's dials answered DDP_HELLO_DUPLICATE (mu) */
+    int dials, dials_refused; /* this rank's dials; those answered DDP_HELLO_DUPLICATE (mu) */
 };
 
 /* What a root knows of its link to one peer (slot[], under mu). */

@@ -195,6 +195,7 @@ ddp_status ddp_comm_connect(void *ctx, int p, int mutual, ddp_wait w, ddp_link *
             int dup = 0;
             st = dial(c, q, w, &l, &dup);
             pthread_mutex_lock(&c->mu);
+            c->dials++;
             if (st == DDP_OK) {
                 publish_locked(c, q, l);
                 *out = l;
