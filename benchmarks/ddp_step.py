@@ -13,7 +13,7 @@ conditions. Part 2 runs one process (world size 1) and times the same step with 
 DDP, pyddp's DDP and torch's DDP. Part 3 ("backend") launches 2 ranks whose default
 torch.distributed group is the "pyddp" backend and times torch's own DDP over it
 against the same torch DDP over a gloo group (new_group(backend="gloo")) in the same
-processes, steps alternated, on a ~6M-parameter MLP (--backend-hidden 2048), with a
+processes, steps alternated (each after an untimed barrier), on a ~6M-parameter MLP (--backend-hidden 2048), with a
 third copy whose all-reduce costs nothing (a comm hook returning each bucket as it is):
 the floor that no backend's step can go below. Prints the
 median step times (wall clock, and the process's CPU time, which a busy machine
@@ -86,16 +86,21 @@ def timed_step(model, opt, x, y):
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def compare(variants, args, x, y):
+def compare(variants, args, x, y, sync=None):
     """Warm each variant up, then time them in turns, one step each, args.steps *
     args.rounds times, so that slow phases of a shared machine hit all of them alike.
-    variants: name -> (model, optimizer). Returns name -> (median wall, median CPU)."""
+    variants: name -> (model, optimizer); sync: None, or a barrier called (untimed)
+    before each timed step, for a set with a variant whose ranks never synchronize (the
+    floor): they drift apart there, and whichever variant came next would absorb the
+    drift in its first collective. Returns name -> (median wall, median CPU)."""
     for model, opt in variants.values():
         for _ in range(args.warmup):
             timed_step(model, opt, x, y)
     samples = {name: [] for name in variants}
     for _ in range(args.rounds * args.steps):
         for name, (model, opt) in variants.items():
+            if sync is not None:
+                sync()
             samples[name].append(timed_step(model, opt, x, y))
     return {name: tuple(statistics.median(s[k] for s in t) for k in (0, 1))
             for name, t in samples.items()}
@@ -167,7 +172,7 @@ def backend_worker(args):
     nparams = sum(p.numel() for p in ref.parameters())
     names = ("torch DDP over gloo", "torch DDP over pyddp", "no communication")
     med = compare({names[0]: (ref, sgd(ref)), names[1]: (ours, sgd(ours)),
-                   names[2]: (floor, sgd(floor))}, args, x, y)
+                   names[2]: (floor, sgd(floor))}, args, x, y, sync=tdist.barrier)
     if rank == 0:
         print(f"torch's DDP, {world} ranks, {nparams / 1e6:.1f}M parameters, batch {args.batch} "
               f"per rank, {torch.get_num_threads()} compute thread(s) per rank")
