@@ -13,9 +13,9 @@ conditions. Part 2 runs one process (world size 1) and times the same step with 
 DDP, pyddp's DDP and torch's DDP. Part 3 ("backend") launches 2 ranks whose default
 torch.distributed group is the "pyddp" backend and times torch's own DDP over it
 against the same torch DDP over a gloo group (new_group(backend="gloo")) in the same
-processes, steps alternated (each after an untimed barrier), on a ~6M-parameter MLP (--backend-hidden 2048), with a
-third copy whose all-reduce costs nothing (a comm hook returning each bucket as it is):
-the floor that no backend's step can go below. Prints the
+processes, steps alternated (each after an untimed barrier), on a ~6M-parameter MLP
+(--backend-hidden 2048), with a third copy whose all-reduce costs nothing (a comm hook
+returning each bucket as it is): the floor that no backend's step can go below. Prints the
 median step times (wall clock, and the process's CPU time, which a busy machine
 disturbs far less), the ratios, and the backend's overhead ratio: (step over "pyddp" -
 floor) / (step over gloo - floor), what each backend adds to the step beyond the
